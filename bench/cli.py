@@ -1,0 +1,22 @@
+"""``echo2 bench ...``: each benchmark lives in its own module exposing
+``add_arguments(parser)`` and ``run(args) -> int``; heavy imports stay inside ``run``."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+
+BENCHES: dict[str, tuple[str, str]] = {
+    "pack": ("echo2.bench.pack", "policy packing: delta compression ratio and encode/decode speed"),
+    "transport": ("echo2.bench.transport", "raw TCP vs py-libp2p stream vs echo2 data plane"),
+}
+
+
+def register(parser: argparse.ArgumentParser) -> None:
+    sub = parser.add_subparsers(dest="bench", metavar="{" + ",".join(BENCHES) + "}")
+    sub.required = True
+    for name, (module, help_text) in BENCHES.items():
+        mod = importlib.import_module(module)
+        p = sub.add_parser(name, help=help_text, description=help_text)
+        mod.add_arguments(p)
+        p.set_defaults(func=mod.run)

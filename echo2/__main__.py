@@ -1,0 +1,3 @@
+from echo2.cli import main
+
+raise SystemExit(main())

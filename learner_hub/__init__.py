@@ -1,0 +1,1 @@
+"""The learner hub: admission, activation, dispatch, staleness and the GRPO learner."""

@@ -1,0 +1,1 @@
+"""The volunteer's rollout node."""

@@ -1,0 +1,2 @@
+"""What both sides speak: identities, signed envelopes, message schemas, policy packing and
+the network layer."""

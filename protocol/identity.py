@@ -1,0 +1,137 @@
+"""Persistent Ed25519 identities and libp2p-compatible peer IDs.
+
+A party's name everywhere (wire, database, ledger, logs) is its libp2p peer ID: the base58btc
+multihash of the protobuf-encoded public key. For Ed25519 the encoded key is 36 bytes, short
+enough that libp2p uses the identity multihash, which is why such IDs start with ``12D3KooW``.
+"""
+
+from __future__ import annotations
+
+import os
+import stat
+from dataclasses import dataclass
+from pathlib import Path
+
+import base58
+from cryptography.exceptions import InvalidSignature
+from cryptography.hazmat.primitives import serialization
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
+
+from .errors import BadSignature, IdentityError
+
+_KEY_FILE_MAGIC = b"echo2-ed25519-v1\n"
+# libp2p crypto.proto: message PublicKey { KeyType Type = 1; bytes Data = 2; }, Ed25519 = 1
+_PB_ED25519_PREFIX = bytes([0x08, 0x01, 0x12, 0x20])
+_MULTIHASH_IDENTITY = bytes([0x00, 0x24])  # identity hash code, length 36
+
+
+def libp2p_public_key_bytes(raw_public: bytes) -> bytes:
+    """The protobuf encoding libp2p uses for an Ed25519 public key."""
+    if len(raw_public) != 32:
+        raise IdentityError(f"Ed25519 public key must be 32 bytes, got {len(raw_public)}")
+    return _PB_ED25519_PREFIX + raw_public
+
+
+def peer_id_from_public_key(raw_public: bytes) -> str:
+    """The libp2p peer ID (``12D3KooW...``) of a raw 32-byte Ed25519 public key."""
+    return base58.b58encode(_MULTIHASH_IDENTITY + libp2p_public_key_bytes(raw_public)).decode()
+
+
+def public_key_from_peer_id(peer_id: str) -> bytes:
+    """Recover the raw Ed25519 public key embedded in an identity-multihash peer ID."""
+    try:
+        raw = base58.b58decode(peer_id.encode())
+    except Exception as exc:  # base58 raises ValueError on bad alphabet
+        raise IdentityError(f"not a base58 peer ID: {peer_id[:60]!r}") from exc
+    prefix = _MULTIHASH_IDENTITY + _PB_ED25519_PREFIX
+    if len(raw) != len(prefix) + 32 or not raw.startswith(prefix):
+        raise IdentityError("peer ID does not embed an Ed25519 public key")
+    return raw[len(prefix) :]
+
+
+def verify_signature(raw_public: bytes, signature: bytes, data: bytes) -> None:
+    """Raise :class:`BadSignature` unless ``signature`` is valid for ``data``."""
+    try:
+        Ed25519PublicKey.from_public_bytes(raw_public).verify(signature, data)
+    except (InvalidSignature, ValueError) as exc:
+        raise BadSignature("signature does not verify") from exc
+
+
+@dataclass(frozen=True)
+class Identity:
+    """An Ed25519 key pair with its libp2p peer ID."""
+
+    private_key: Ed25519PrivateKey
+
+    @classmethod
+    def generate(cls) -> Identity:
+        return cls(Ed25519PrivateKey.generate())
+
+    @classmethod
+    def from_seed(cls, seed: bytes) -> Identity:
+        if len(seed) != 32:
+            raise IdentityError("Ed25519 seed must be 32 bytes")
+        return cls(Ed25519PrivateKey.from_private_bytes(seed))
+
+    @property
+    def seed(self) -> bytes:
+        return self.private_key.private_bytes(
+            serialization.Encoding.Raw, serialization.PrivateFormat.Raw, serialization.NoEncryption()
+        )
+
+    @property
+    def public_bytes(self) -> bytes:
+        return self.private_key.public_key().public_bytes(
+            serialization.Encoding.Raw, serialization.PublicFormat.Raw
+        )
+
+    @property
+    def peer_id(self) -> str:
+        return peer_id_from_public_key(self.public_bytes)
+
+    def sign(self, data: bytes) -> bytes:
+        return self.private_key.sign(data)
+
+    def __repr__(self) -> str:  # never print key material
+        return f"Identity({self.peer_id})"
+
+    # --- files -------------------------------------------------------------------------------
+    def save(self, path: str | os.PathLike[str]) -> None:
+        """Write the key with mode 0600, atomically (never a half-written key file)."""
+        p = Path(path)
+        p.parent.mkdir(parents=True, exist_ok=True)
+        tmp = p.with_name(p.name + ".tmp")
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        try:
+            os.write(fd, _KEY_FILE_MAGIC + self.seed.hex().encode() + b"\n")
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.chmod(tmp, 0o600)
+        os.replace(tmp, p)
+
+    @classmethod
+    def load(cls, path: str | os.PathLike[str]) -> Identity:
+        p = Path(path)
+        try:
+            st = p.stat()
+            data = p.read_bytes()
+        except OSError as exc:
+            raise IdentityError(f"cannot read key file {p}: {exc.strerror}") from exc
+        if st.st_mode & (stat.S_IRWXG | stat.S_IRWXO):
+            raise IdentityError(f"key file {p} is readable by others; run: chmod 600 {p}")
+        if not data.startswith(_KEY_FILE_MAGIC):
+            raise IdentityError(f"{p} is not an echo2 key file")
+        try:
+            seed = bytes.fromhex(data[len(_KEY_FILE_MAGIC) :].decode().strip())
+        except ValueError as exc:
+            raise IdentityError(f"{p} is corrupt") from exc
+        return cls.from_seed(seed)
+
+    @classmethod
+    def load_or_create(cls, path: str | os.PathLike[str]) -> Identity:
+        if Path(path).exists():
+            return cls.load(path)
+        ident = cls.generate()
+        ident.save(path)
+        return ident
