@@ -1,0 +1,1 @@
+"""Network layer: libp2p control plane and the TCP data plane (trio at the edges)."""
