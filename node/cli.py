@@ -1,9 +1,70 @@
-"""Command-line entry (filled by later work)."""
+"""``echo2 node run | status``."""
 
 from __future__ import annotations
 
 import argparse
+import json
+import time
+from pathlib import Path
+
+DEFAULT_DIR = Path.home() / ".echo2" / "node"
 
 
 def register(parser: argparse.ArgumentParser) -> None:
-    parser.add_subparsers(dest="sub", metavar="{}")
+    sub = parser.add_subparsers(dest="node_cmd", metavar="{run,status}")
+    sub.required = True
+    run = sub.add_parser("run", help="join a hub and produce rollouts", description="join a hub and produce rollouts")
+    run.add_argument("--hub", required=True, help="the hub's multiaddr, ending in /p2p/<peer ID> (see DIR/hub.addrs)")
+    run.add_argument("--data-dir", type=Path, default=DEFAULT_DIR, help=f"identity, state and chunk store (default {DEFAULT_DIR})")
+    run.add_argument("--engine", default="auto", choices=["auto", "transformers", "vllm"])
+    run.add_argument("--price", type=float, default=0.0, dest="price", metavar="USD_PER_HOUR", help="your price in USD per hour")
+    run.add_argument("--max-upload-MBps", type=float, default=0.0, help="cap on what this node uploads (0 = unlimited)")
+    run.add_argument("--listen-host", default="127.0.0.1")
+    run.add_argument("--listen-port", type=int, default=0)
+    run.add_argument("--join-token", default="", help="join token printed by `echo2 hub token` (token admission)")
+    run.add_argument("--threads", type=int, default=0, help="torch threads (0 = torch default)")
+    run.add_argument("--max-tasks", type=int, default=0, help=argparse.SUPPRESS)
+    run.set_defaults(func=_run)
+    st = sub.add_parser("status", help="what the running node is doing", description="what the running node is doing")
+    st.add_argument("--data-dir", type=Path, default=DEFAULT_DIR)
+    st.add_argument("--json", action="store_true", help="machine-readable output")
+    st.set_defaults(func=_status)
+
+
+def _run(args: argparse.Namespace) -> int:
+    from echo2.node.runtime import NodeConfig, run_node
+
+    if args.price < 0:
+        raise SystemExit("--price must be >= 0")
+    cfg = NodeConfig(
+        hub=args.hub,
+        data_dir=args.data_dir,
+        engine=args.engine,
+        price_usd_per_hour=args.price,
+        max_upload_MBps=args.max_upload_MBps,
+        listen_host=args.listen_host,
+        listen_port=args.listen_port,
+        join_token=args.join_token,
+        threads=args.threads,
+        max_tasks=args.max_tasks,
+    )
+    return run_node(cfg)
+
+
+def _status(args: argparse.Namespace) -> int:
+    path = args.data_dir / "node.state.json"
+    if not path.exists():
+        print(f"no node state at {path}: is a node running with --data-dir {args.data_dir}?")
+        return 1
+    state = json.loads(path.read_text())
+    age = time.time() - float(state.get("updated", 0))
+    state["state_age_s"] = round(age, 1)
+    hours = float(state.get("uptime_s", 0)) / 3600
+    state["estimated_earnings_usd"] = round(hours * float(state.get("price_usd_per_hour", 0)), 6)
+    if args.json:
+        print(json.dumps(state, indent=1))
+        return 0
+    for key in ("peer_id", "hub", "admitted", "admission_reason", "version", "tasks_done", "tasks_declined",
+                "results_refused", "tokens", "price_usd_per_hour", "estimated_earnings_usd", "state_age_s"):
+        print(f"{key:24} {state.get(key)}")
+    return 0

@@ -1,0 +1,135 @@
+"""``echo2 bench broadcast``: time to get one policy version to every node, star vs pipelined.
+
+Units: ``--mbytes`` in MB (10**6 bytes) and ``--link-MBps`` in MB/s (10**6 bytes/s), so
+``ideal_seconds = mbytes / link_MBps`` exactly; ``--chunk-bytes`` in bytes. Every node and the
+hub upload at ``--link-MBps`` (unless ``--hub-MBps`` is given).
+
+Only the ``--simulate`` path (``echo2.bench.broadcast_sim``) exists so far; without it,
+:func:`run_real` is called, which will start real node processes once a node runtime exists.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+
+log = logging.getLogger(__name__)
+
+
+def _int_list(text: str) -> list[int]:
+    try:
+        out = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"not a comma list of integers: {text!r}") from e
+    if not out or any(n < 1 for n in out):
+        raise argparse.ArgumentTypeError("node counts must be >= 1")
+    return out
+
+
+def _mode_list(text: str) -> list[str]:
+    out = [m.strip() for m in text.split(",") if m.strip()]
+    bad = [m for m in out if m not in ("star", "pipelined")]
+    if not out or bad:
+        raise argparse.ArgumentTypeError(f"modes are star and pipelined, got {text!r}")
+    return out
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--nodes", type=_int_list, default=[8], help="node count, or a comma list (e.g. 8,64,512)")
+    parser.add_argument("--mbytes", type=float, default=256.0, help="version size in MB (10^6 bytes)")
+    parser.add_argument("--link-MBps", dest="link_MBps", type=float, default=10.0,
+                        help="upload limit of every node and the hub, MB/s (10^6 bytes/s)")
+    parser.add_argument("--hub-MBps", dest="hub_MBps", type=float, default=None, help="hub upload (default: --link-MBps)")
+    parser.add_argument("--chunk-bytes", dest="chunk_bytes", type=int, default=None,
+                        help="chunk size in bytes (default 4 MiB)")
+    parser.add_argument("--mode", type=_mode_list, default=["star", "pipelined"], help="star,pipelined")
+    parser.add_argument("--simulate", action="store_true", help="discrete-event simulation instead of real processes")
+    parser.add_argument("--latency-ms", dest="latency_ms", type=float, default=None,
+                        help="per-chunk hop overhead in the simulation (default 2 ms)")
+    parser.add_argument("--json", default=None, help="write results here")
+    parser.add_argument("--plot", default=None, help="PNG: seconds against N for each mode, with the floor M/B")
+
+
+def run_real(args: argparse.Namespace) -> list[dict[str, object]]:
+    """Real processes over the data plane (not written yet)."""
+    raise SystemExit("real-process broadcast not available yet; use --simulate")
+
+
+def run_simulated(args: argparse.Namespace) -> list[dict[str, object]]:
+    from echo2.bench import broadcast_sim as sim
+
+    chunk = args.chunk_bytes or sim.DEFAULT_CHUNK_BYTES
+    latency = sim.DEFAULT_LATENCY_S if args.latency_ms is None else args.latency_ms / 1000.0
+    ideal = args.mbytes / (args.hub_MBps if args.hub_MBps else args.link_MBps)
+    rows: list[dict[str, object]] = []
+    for n in args.nodes:
+        for mode in args.mode:
+            r = sim.simulate(mode, n, args.mbytes, args.link_MBps, chunk, hub_MBps=args.hub_MBps, latency_s=latency)
+            rows.append({
+                "mode": mode,
+                "nodes": n,
+                "seconds": r.seconds,
+                "median_seconds": r.median_seconds,
+                "first_seconds": r.first_seconds,
+                "ideal_seconds": ideal,
+                "ratio": r.seconds / ideal,
+                "hub_sent_bytes": r.hub_sent_bytes,
+                "peer_sent_bytes": r.peer_sent_bytes,
+                "chunks": r.n_chunks,
+                "stripes": r.stripes,
+                "depth": r.depth,
+                "simulated": True,
+            })
+    return rows
+
+
+def _plot(rows: list[dict[str, object]], args: argparse.Namespace, path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for mode in args.mode:
+        pts = sorted((int(r["nodes"]), float(r["seconds"])) for r in rows if r["mode"] == mode)  # type: ignore[call-overload,arg-type]
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=f"{mode} (last node)")
+    floor = args.mbytes / (args.hub_MBps if args.hub_MBps else args.link_MBps)
+    ax.axhline(floor, color="gray", linestyle="--", label=f"floor M/B = {floor:.1f} s")
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xlabel("nodes N")
+    ax.set_ylabel("seconds until the last node holds the version")
+    sim = " (simulated)" if args.simulate else ""
+    ax.set_title(f"broadcast of {args.mbytes:g} MB at {args.link_MBps:g} MB/s{sim}")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def _default_chunk() -> int:
+    from echo2.bench.broadcast_sim import DEFAULT_CHUNK_BYTES
+
+    return DEFAULT_CHUNK_BYTES
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.mbytes <= 0 or args.link_MBps <= 0 or (args.chunk_bytes is not None and args.chunk_bytes <= 0):
+        raise SystemExit("--mbytes, --link-MBps and --chunk-bytes must be positive")
+    rows = run_simulated(args) if args.simulate else run_real(args)
+    print(f"{'mode':<10} {'nodes':>6} {'seconds':>10} {'median':>10} {'ideal':>8} {'ratio':>7} {'hub MB':>9} {'peer MB':>10}")
+    for r in rows:
+        print(f"{r['mode']:<10} {r['nodes']:>6} {r['seconds']:>10.2f} {r['median_seconds']:>10.2f} "
+              f"{r['ideal_seconds']:>8.2f} {r['ratio']:>7.3f} {int(r['hub_sent_bytes']) / 1e6:>9.1f} "  # type: ignore[call-overload]
+              f"{int(r['peer_sent_bytes']) / 1e6:>10.1f}")  # type: ignore[call-overload]
+    if args.json:
+        nodes: object = args.nodes[0] if len(args.nodes) == 1 else args.nodes
+        doc = {"nodes": nodes, "mbytes": args.mbytes, "link_MBps": args.link_MBps, "hub_MBps": args.hub_MBps,
+               "chunk_bytes": args.chunk_bytes or _default_chunk(), "simulated": bool(args.simulate),
+               "results": rows}
+        with open(args.json, "w") as f:
+            json.dump(doc, f, indent=2)
+    if args.plot:
+        _plot(rows, args, args.plot)
+    return 0

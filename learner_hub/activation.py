@@ -1,0 +1,354 @@
+"""Cost-aware activation (BRIEF section 6): the cheapest set of nodes whose rates cover R*.
+
+Problem: minimise ``sum p_i x_i`` subject to ``sum r_i x_i >= R``, ``x_i`` in {0, 1} (a covering
+knapsack). Prices are $/hour, rates rollouts/s (hub-timed).
+
+Methods
+-------
+* ``greedy``: take nodes by price per rate until R is covered, also try "prefix + the cheapest
+  single node that covers the remainder", then repair: drop redundant nodes (most expensive
+  first) and apply best-improvement 1-for-1 swaps until none helps. O(n log n) per pass, numpy.
+  Always returns a feasible set and a proven lower bound (the LP relaxation), hence a certified
+  gap ``cost / lower_bound - 1``.
+* ``exact``: Lagrangian variable fixing, then dynamic programming over *integer price units*.
+  1. The LP relaxation (fractional greedy) gives a bound ``L`` and a critical ratio ``lam``;
+     with reduced cost ``c_i = p_i - lam*r_i`` any node with ``L + |c_i| > UB`` (UB = cost of the
+     greedy set) is fixed out (``c_i > 0``) or in (``c_i < 0``) - no solution costing <= UB can
+     do otherwise (Dembo-Hammer reduction). On heterogeneous fleets this fixes most nodes.
+  2. For the remaining nodes, ``w_i = floor(p_i / q)`` units with ``q`` the price quantum (default
+     $0.001/h, the resolution marketplaces quote; values within 1e-6 unit of an integer are
+     snapped). ``dp[c]`` = the largest total rate with sum ``w <= c``; the least ``c*`` with
+     ``dp[c*] >= R'`` is found and its set rebuilt from per-node bit masks.
+  *Exactness*: ``q*c*`` (plus the fixed-in cost) is a proven lower bound on the true optimum,
+  since ``q*w_i <= p_i`` for every set; the returned set is feasible and costs at most
+  ``LB + q*|set|``. When every price is a multiple of ``q`` the two coincide and the answer is
+  optimal (``exact=True``); otherwise the gap to the bound is reported honestly. If the table
+  would exceed ``max_cells`` entries, ``q`` is coarsened (same guarantees, looser bound).
+* ``auto`` (production): greedy; if its certified gap is not already 0 and the reduced DP table is
+  small (``auto_exact_cells`` table entries: a few tens of ms of numpy at worst), run the exact
+  stage and keep the cheaper; otherwise keep the greedy set with its certified gap.
+
+Nodes with rate <= 0 are never selected. If all nodes together fall short of R, all positive-rate
+nodes are activated and the shortfall is flagged.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import numpy.typing as npt
+
+log = logging.getLogger(__name__)
+
+PRICE_QUANTUM = 0.001  # $/hour
+_REL_TOL = 1e-9
+FArr = npt.NDArray[np.float64]
+BArr = npt.NDArray[np.bool_]
+
+
+@dataclass(frozen=True)
+class NodeOffer:
+    node_id: str
+    price: float  # $/hour, as announced
+    rate: float  # rollouts/s, hub-timed
+
+    def __post_init__(self) -> None:
+        if not (math.isfinite(self.price) and math.isfinite(self.rate)) or self.price < 0:
+            raise ValueError(f"node {self.node_id}: price must be finite >= 0 and rate finite")
+
+
+@dataclass(frozen=True)
+class Activation:
+    selected: tuple[str, ...]
+    cost: float  # $/hour of the selected set
+    rate: float  # rollouts/s of the selected set
+    required_rate: float
+    method: str  # "exact" | "greedy" | "all" (infeasible) | "none" (R <= 0) | "kept" (hysteresis)
+    exact: bool  # proven optimal: cost <= lower_bound (within float tolerance)
+    lower_bound: float | None  # proven lower bound on the optimal cost (None if infeasible)
+    shortfall: float = 0.0  # R - rate when infeasible
+    elapsed_ms: float = 0.0
+
+    @property
+    def feasible(self) -> bool:
+        return self.shortfall <= 0
+
+    @property
+    def gap_bound(self) -> float | None:
+        """Certified upper bound on cost / optimum - 1."""
+        if self.lower_bound is None:
+            return None
+        if self.lower_bound <= 0:
+            return 0.0 if self.cost <= 0 else math.inf
+        return max(0.0, self.cost / self.lower_bound - 1.0)
+
+
+def _tol(x: float) -> float:
+    return _REL_TOL * max(1.0, abs(x))
+
+
+def lp_bound(prices: FArr, rates: FArr, required: float) -> tuple[float, float]:
+    """LP relaxation value and critical price-per-rate ``lam`` (fractional greedy)."""
+    order = np.argsort(prices / rates, kind="stable")
+    cum = np.cumsum(rates[order])
+    k = int(np.searchsorted(cum, required - _tol(required)))
+    k = min(k, len(order) - 1)
+    before = float(cum[k - 1]) if k > 0 else 0.0
+    j = order[k]
+    lam = float(prices[j] / rates[j])
+    value = float(prices[order[:k]].sum()) + lam * max(0.0, required - before)
+    return value, lam
+
+
+def _greedy(prices: FArr, rates: FArr, required: float, max_passes: int = 200) -> BArr:
+    n = len(prices)
+    order = np.lexsort((-rates, prices / rates))
+    cum = np.cumsum(rates[order])
+    k = int(np.searchsorted(cum, required - _tol(required)))
+    sel = np.zeros(n, dtype=bool)
+    sel[order[: k + 1]] = True
+    # Alternative: prefix + the cheapest single other node covering what the prefix lacks.
+    residual = required - (float(cum[k - 1]) if k > 0 else 0.0)
+    rest = order[k:]
+    ok = rest[rates[rest] >= residual - _tol(required)]
+    if len(ok):
+        j = ok[np.argmin(prices[ok])]
+        if prices[j] < prices[order[k]]:
+            sel[order[k]] = False
+            sel[j] = True
+    return _repair(prices, rates, required, sel, max_passes)
+
+
+def _drop_redundant(prices: FArr, rates: FArr, required: float, sel: BArr) -> None:
+    while True:
+        surplus = float(rates[sel].sum()) - required
+        cand = np.flatnonzero(sel & (rates <= surplus + _tol(required)))
+        if len(cand) == 0:
+            return
+        sel[cand[np.argmax(prices[cand])]] = False
+
+
+def _repair(prices: FArr, rates: FArr, required: float, sel: BArr, max_passes: int) -> BArr:
+    _drop_redundant(prices, rates, required, sel)
+    for _ in range(max_passes):
+        surplus = float(rates[sel].sum()) - required
+        ins = np.flatnonzero(sel)
+        outs = np.flatnonzero(~sel)
+        if len(outs) == 0 or len(ins) == 0:
+            break
+        # Best 1-for-1 swap: out-node j may replace in-node i iff r_j >= r_i - surplus.
+        o = outs[np.argsort(rates[outs], kind="stable")]
+        o_rates = rates[o]
+        o_prices = prices[o]
+        suf_min = np.minimum.accumulate(o_prices[::-1])[::-1]
+        # Index of the cheapest node in each suffix o[idx:]: on the reversed array, the latest
+        # position where the running minimum was attained.
+        rev = o_prices[::-1]
+        pos = np.where(rev <= np.minimum.accumulate(rev), np.arange(len(rev)), 0)
+        run_arg = np.maximum.accumulate(pos)
+        suf_arg = (len(rev) - 1 - run_arg)[::-1]
+        idx = np.searchsorted(o_rates, rates[ins] - surplus - _tol(required), side="left")
+        valid = idx < len(o)
+        if not valid.any():
+            break
+        gains = np.full(len(ins), -np.inf)
+        gains[valid] = prices[ins[valid]] - suf_min[idx[valid]]
+        b = int(np.argmax(gains))
+        if gains[b] <= _tol(float(prices[ins[b]])):
+            break
+        sel[ins[b]] = False
+        sel[o[suf_arg[idx[b]]]] = True
+        _drop_redundant(prices, rates, required, sel)
+    return sel
+
+
+def _units(prices: FArr, q: float) -> npt.NDArray[np.int64]:
+    x = prices / q
+    r = np.round(x)
+    snapped = np.where(np.abs(x - r) < 1e-6, r, np.floor(x))
+    return snapped.astype(np.int64)
+
+
+@dataclass
+class _ExactOut:
+    sel: BArr
+    lower_bound: float
+
+
+def _exact(
+    prices: FArr,
+    rates: FArr,
+    required: float,
+    ub_sel: BArr,
+    quantum: float,
+    max_cells: int,
+    cell_limit: int | None = None,
+) -> _ExactOut | None:
+    """Reduction + price-unit DP. Returns None if ``cell_limit`` (auto mode) would be exceeded."""
+    ub = float(prices[ub_sel].sum())
+    lb_lp, lam = lp_bound(prices, rates, required)
+    rc = prices - lam * rates
+    lagr = lam * required + float(np.minimum(rc, 0.0).sum())
+    slack = _tol(ub)
+    fixed1 = (rc < 0) & (lagr - rc > ub + slack)
+    fixed0 = (rc > 0) & (lagr + rc > ub + slack)
+    free = ~(fixed0 | fixed1)
+    base_cost = float(prices[fixed1].sum())
+    need = required - float(rates[fixed1].sum())
+    sel = fixed1.copy()
+    if need <= _tol(required):
+        return _ExactOut(sel, max(lb_lp, base_cost))
+    idx = np.flatnonzero(free)
+    q = quantum
+    while True:
+        w = _units(prices[idx], q)
+        cap = int(w[ub_sel[idx]].sum())
+        keep = w <= cap
+        cells = int(keep.sum()) * (cap + 1)
+        if cell_limit is not None and cells > cell_limit:
+            return None
+        if cells <= max_cells:
+            break
+        q *= math.ceil(cells / max_cells)
+    zero = idx[w == 0]  # free at this resolution: always worth taking
+    sel[zero] = True
+    need -= float(rates[zero].sum())
+    items = idx[(w > 0) & keep]
+    wi = w[(w > 0) & keep]
+    if need > _tol(required):
+        dp = np.zeros(cap + 1)
+        masks: list[npt.NDArray[np.uint8]] = []
+        for it, wt in zip(items.tolist(), wi.tolist(), strict=True):
+            cand = dp[: cap + 1 - wt] + rates[it]
+            better = cand > dp[wt:]
+            dp[wt:] = np.where(better, cand, dp[wt:])
+            masks.append(np.packbits(better))
+        reach = np.flatnonzero(dp >= need - _tol(required))
+        if len(reach) == 0:  # cannot happen (the greedy set fits in cap); keep the greedy set
+            log.warning("exact DP found no feasible set within the greedy bound")
+            return _ExactOut(ub_sel.copy(), lb_lp)
+        c = int(reach[0])
+        units_lb = c
+        for k in range(len(items) - 1, -1, -1):
+            wt = int(wi[k])
+            if c >= wt:
+                pos = c - wt
+                if (masks[k][pos >> 3] >> (7 - (pos & 7))) & 1:
+                    sel[items[k]] = True
+                    c -= wt
+    else:
+        units_lb = 0
+    # Snapping may have rounded a price up by < 1e-6 unit; subtract that to keep the bound sound.
+    lb_dp = base_cost + q * units_lb - 1e-6 * q * len(idx)
+    return _ExactOut(sel, max(lb_lp, lb_dp))
+
+
+def _result(
+    nodes: Sequence[NodeOffer],
+    sel: BArr,
+    prices: FArr,
+    rates: FArr,
+    required: float,
+    method: str,
+    lower_bound: float | None,
+    t0: float,
+) -> Activation:
+    cost = float(prices[sel].sum())
+    rate = float(rates[sel].sum())
+    exact = lower_bound is not None and cost <= lower_bound + 1e-7 * max(1.0, cost)
+    return Activation(
+        selected=tuple(nodes[i].node_id for i in np.flatnonzero(sel).tolist()),
+        cost=cost,
+        rate=rate,
+        required_rate=required,
+        method=method,
+        exact=exact,
+        lower_bound=lower_bound,
+        shortfall=max(0.0, required - rate) if method == "all" else 0.0,
+        elapsed_ms=(time.perf_counter() - t0) * 1e3,
+    )
+
+
+def solve(
+    nodes: Sequence[NodeOffer],
+    required_rate: float,
+    method: str = "auto",
+    *,
+    quantum: float = PRICE_QUANTUM,
+    max_cells: int = 200_000_000,
+    auto_exact_cells: int = 15_000_000,
+) -> Activation:
+    """Choose the cheapest set of ``nodes`` whose rates sum to at least ``required_rate``.
+
+    ``method``: "auto" | "exact" | "greedy" (see module doc for guarantees)."""
+    t0 = time.perf_counter()
+    if method not in ("auto", "exact", "greedy"):
+        raise ValueError(f"unknown method {method!r}")
+    ids = [n.node_id for n in nodes]
+    if len(set(ids)) != len(ids):
+        raise ValueError("duplicate node ids")
+    prices = np.array([n.price for n in nodes], dtype=np.float64)
+    rates = np.array([n.rate for n in nodes], dtype=np.float64)
+    usable = rates > 0
+    if required_rate <= 0:
+        return _result(nodes, np.zeros(len(nodes), bool), prices, rates, required_rate, "none", 0.0, t0)
+    total = float(rates[usable].sum())
+    if total < required_rate - _tol(required_rate):
+        log.warning("activation infeasible: fleet rate %.4g < required %.4g", total, required_rate)
+        return _result(nodes, usable.copy(), prices, rates, required_rate, "all", None, t0)
+    u = np.flatnonzero(usable)
+    p, r = prices[u], rates[u]
+    g = _greedy(p, r, required_rate)
+    lb = lp_bound(p, r, required_rate)[0]
+    best, used = g, "greedy"
+    cost_g = float(p[g].sum())
+    if method != "greedy" and cost_g > lb + 1e-7 * max(1.0, cost_g):
+        limit = auto_exact_cells if method == "auto" else None
+        ex = _exact(p, r, required_rate, g, quantum, max_cells, limit)
+        if ex is not None:
+            lb = max(lb, ex.lower_bound)
+            if float(p[ex.sel].sum()) < cost_g:
+                best = ex.sel
+            used = "exact"
+    full = np.zeros(len(nodes), dtype=bool)
+    full[u[best]] = True
+    return _result(nodes, full, prices, rates, required_rate, used, lb, t0)
+
+
+def reselect(
+    current_active: Iterable[str],
+    nodes: Sequence[NodeOffer],
+    required_rate: float,
+    min_gain: float = 0.05,
+    method: str = "auto",
+) -> Activation:
+    """Hysteresis: keep the current set (restricted to nodes still present) if it still covers
+    ``required_rate`` and the new optimum is less than ``min_gain`` (fraction) cheaper."""
+    new = solve(nodes, required_rate, method)
+    by_id = {n.node_id: n for n in nodes}
+    cur = [by_id[i] for i in dict.fromkeys(current_active) if i in by_id]
+    cur_rate = sum(n.rate for n in cur)
+    cur_cost = sum(n.price for n in cur)
+    if (
+        cur
+        and required_rate > 0
+        and cur_rate >= required_rate - _tol(required_rate)
+        and new.cost >= (1.0 - min_gain) * cur_cost
+    ):
+        lb = new.lower_bound
+        return Activation(
+            selected=tuple(n.node_id for n in cur),
+            cost=cur_cost,
+            rate=cur_rate,
+            required_rate=required_rate,
+            method="kept",
+            exact=lb is not None and cur_cost <= lb + 1e-7 * max(1.0, cur_cost),
+            lower_bound=lb,
+            elapsed_ms=new.elapsed_ms,
+        )
+    return new

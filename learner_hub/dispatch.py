@@ -1,0 +1,435 @@
+"""Task dispatch and staleness admission: pure, sans-IO state machines.
+
+Nothing here touches the network, a clock or trio: every decision takes ``now`` (seconds, any
+monotonic or wall clock the caller uses consistently) and the current learner step. The hub's
+trio code signs and sends the :class:`TaskAssignment` objects, feeds results/declines/departures
+back in, and routes accepted rollouts into a :class:`ReplayBuffer`.
+
+Staleness (BRIEF section 7), with ``S`` the staleness bound and ``t`` the learner step:
+
+* A task carries ``min_version = max(0, t - S)`` where ``t`` is the learner step when the task is
+  issued. The node must generate with a policy version ``>= min_version`` (in practice the newest
+  it holds); a result reporting a lower version is refused as ``below_min_version``.
+* A result is admitted at learner step ``t`` iff ``version >= t - S`` (:func:`admissible`). So
+  ``version == t - S`` is admitted and ``t - S - 1`` is dropped and counted (``stale_dropped``).
+  The same rule is applied again inside the buffer when a batch is taken, because the learner
+  may have advanced while results waited.
+
+Reassignment policy: a task is *closed* exactly once - by an accepted (or stale-dropped) result,
+by a decline, by its node leaving, or by expiring past its deadline. Once closed, every further
+result for it is refused without counting anything: ``duplicate`` if it had already produced a
+result, ``reassigned`` if its prompts were handed back to the queue (decline / node left /
+expired). A result that arrives after the deadline but *before* :meth:`Dispatcher.expire` ran is
+still accepted (flagged ``late``): the prompts were never handed out twice, so nothing is
+double-counted. This keeps every prompt group counted at most once.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import logging
+import math
+import secrets
+from collections import OrderedDict, deque
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from enum import StrEnum
+from typing import Generic, TypeVar
+
+log = logging.getLogger(__name__)
+
+
+def admissible(version: int, learner_step: int, staleness: int) -> bool:
+    """BRIEF section 7: at learner step t a result made with ``version`` is usable iff
+    ``version >= t - S``."""
+    return version >= learner_step - staleness
+
+
+@dataclass(frozen=True)
+class PromptGroup:
+    """One prompt to be rolled out ``group_size`` times (one GRPO group)."""
+
+    prompt_id: str
+    prompt: tuple[int, ...]
+    group_size: int
+
+    def __post_init__(self) -> None:
+        if self.group_size < 1:
+            raise ValueError("group_size must be >= 1")
+
+
+@dataclass(frozen=True)
+class TaskAssignment:
+    """A decided task; the caller turns it into a signed ``messages.Task``."""
+
+    task_id: str
+    node_id: str
+    groups: tuple[PromptGroup, ...]
+    min_version: int
+    max_version_lag: int
+    issued_at: float
+    deadline: float
+    expected_s: float
+
+    @property
+    def n_rollouts(self) -> int:
+        return sum(g.group_size for g in self.groups)
+
+    @property
+    def prompts(self) -> list[list[int]]:
+        return [list(g.prompt) for g in self.groups]
+
+
+class VerdictCode(StrEnum):
+    ACCEPTED = "accepted"
+    STALE = "stale"  # well-formed but version < t - S: dropped and counted, prompts requeued
+    DUPLICATE = "duplicate"  # task already produced a result
+    REASSIGNED = "reassigned"  # task was declined / expired / its node left; prompts went back
+    UNKNOWN_TASK = "unknown_task"
+    WRONG_NODE = "wrong_node"
+    BELOW_MIN_VERSION = "below_min_version"  # node broke the task's min_version contract
+    WRONG_COUNT = "wrong_count"  # completions != sum of group sizes
+
+
+@dataclass(frozen=True)
+class Verdict:
+    code: VerdictCode
+    task: TaskAssignment | None = None
+    late: bool = False  # arrived after the deadline but before expire() reassigned it
+
+    @property
+    def accepted(self) -> bool:
+        return self.code is VerdictCode.ACCEPTED
+
+
+@dataclass
+class NodeState:
+    node_id: str
+    rate: float  # rollouts/s: EWMA of hub-timed completed tasks, seeded by the announced figure
+    active: bool = True
+    in_flight: set[str] = field(default_factory=set)
+    busy_until: float = -math.inf  # when the node's queued work is expected to be done
+    last_done_at: float = -math.inf
+    completed_tasks: int = 0
+
+
+@dataclass
+class DispatchStats:
+    issued: int = 0
+    accepted: int = 0
+    accepted_rollouts: int = 0
+    stale_dropped: int = 0
+    expired: int = 0
+    declined: int = 0
+    requeued_groups: int = 0
+    refused_by_reason: dict[str, int] = field(default_factory=dict)
+
+    def refuse(self, code: VerdictCode) -> None:
+        self.refused_by_reason[code.value] = self.refused_by_reason.get(code.value, 0) + 1
+
+
+@dataclass(frozen=True)
+class DispatchConfig:
+    staleness: int = 1
+    target_task_s: float = 20.0  # a task should take about this long on its node
+    max_prompts_per_task: int = 256  # messages.Task allows at most 256 prompts
+    max_in_flight_per_node: int = 2  # 2 lets a node start the next task while one result uploads
+    deadline_slack: float = 3.0  # deadline = now + slack * expected duration ...
+    min_deadline_s: float = 30.0  # ... clamped to [min, max]
+    max_deadline_s: float = 900.0
+    ewma_alpha: float = 0.3  # weight of the newest observation in the node rate
+    min_rate: float = 1e-3  # floor so a node with a bad observation still gets 1-prompt tasks
+    closed_memory: int = 100_000  # closed task ids remembered for duplicate detection
+
+    def __post_init__(self) -> None:
+        if self.staleness < 0:
+            raise ValueError("staleness must be >= 0")
+        if not 0 < self.ewma_alpha <= 1:
+            raise ValueError("ewma_alpha must be in (0, 1]")
+        if self.max_prompts_per_task < 1 or self.max_in_flight_per_node < 1:
+            raise ValueError("max_prompts_per_task and max_in_flight_per_node must be >= 1")
+        if self.min_deadline_s > self.max_deadline_s:
+            raise ValueError("min_deadline_s > max_deadline_s")
+
+
+class Dispatcher:
+    """Queue of prompt groups, connected nodes with observed rates, and in-flight tasks."""
+
+    def __init__(self, config: DispatchConfig | None = None, *, task_id_prefix: str | None = None) -> None:
+        self.config = config or DispatchConfig()
+        # A random prefix keeps task ids unique across hub restarts (nodes may still hold old ones).
+        self._prefix = task_id_prefix if task_id_prefix is not None else secrets.token_hex(4)
+        self._counter = itertools.count(1)
+        self.queue: deque[PromptGroup] = deque()
+        self.nodes: dict[str, NodeState] = {}
+        self.in_flight: dict[str, TaskAssignment] = {}
+        # task id -> verdict code that later results get (bounded, oldest forgotten first)
+        self._closed: OrderedDict[str, VerdictCode] = OrderedDict()
+        self.stats = DispatchStats()
+
+    # ---- queue and nodes -------------------------------------------------------------------
+    def submit(self, groups: Iterable[PromptGroup]) -> None:
+        self.queue.extend(groups)
+
+    def add_node(self, node_id: str, rate: float, *, active: bool = True) -> None:
+        """Register (or refresh) a node; ``rate`` is the announced/measured rollouts per second,
+        used until hub-timed results replace it."""
+        st = self.nodes.get(node_id)
+        if st is None:
+            self.nodes[node_id] = NodeState(node_id, max(rate, self.config.min_rate), active)
+        else:
+            st.active = active
+
+    def set_active(self, node_ids: Iterable[str]) -> None:
+        """Apply an activation decision: only these nodes receive new tasks (in-flight tasks of
+        deactivated nodes are left to finish)."""
+        wanted = set(node_ids)
+        for nid, st in self.nodes.items():
+            st.active = nid in wanted
+
+    def rate_of(self, node_id: str) -> float:
+        return self.nodes[node_id].rate
+
+    # ---- decisions -------------------------------------------------------------------------
+    def next_tasks(self, now: float, learner_version: int) -> list[TaskAssignment]:
+        """Fill every active node up to ``max_in_flight_per_node`` tasks, fastest node first, each
+        task sized so it takes about ``target_task_s`` at the node's observed rate."""
+        cfg = self.config
+        out: list[TaskAssignment] = []
+        min_version = max(0, learner_version - cfg.staleness)
+        order = sorted((st for st in self.nodes.values() if st.active), key=lambda s: (-s.rate, s.node_id))
+        progress = True
+        # Round-robin over nodes (one task per node per round) so a short queue is spread out
+        # rather than handed wholesale to the first node.
+        while self.queue and progress:
+            progress = False
+            for st in order:
+                if not self.queue:
+                    break
+                if len(st.in_flight) >= cfg.max_in_flight_per_node:
+                    continue
+                task = self._make_task(now, st, min_version)
+                out.append(task)
+                progress = True
+        return out
+
+    def _make_task(self, now: float, st: NodeState, min_version: int) -> TaskAssignment:
+        cfg = self.config
+        budget = st.rate * cfg.target_task_s  # rollouts the node should do in target_task_s
+        groups: list[PromptGroup] = [self.queue.popleft()]
+        n = groups[0].group_size
+        while (
+            self.queue and len(groups) < cfg.max_prompts_per_task and n + self.queue[0].group_size <= budget
+        ):
+            g = self.queue.popleft()
+            groups.append(g)
+            n += g.group_size
+        expected = n / st.rate
+        deadline = now + min(cfg.max_deadline_s, max(cfg.min_deadline_s, cfg.deadline_slack * expected))
+        # Tasks queued behind others on the same node only start later; the deadline must allow it.
+        start = max(now, st.busy_until)
+        deadline += start - now
+        st.busy_until = start + expected
+        task = TaskAssignment(
+            task_id=f"{self._prefix}-{next(self._counter)}",
+            node_id=st.node_id,
+            groups=tuple(groups),
+            min_version=min_version,
+            max_version_lag=cfg.staleness,
+            issued_at=now,
+            deadline=deadline,
+            expected_s=expected,
+        )
+        self.in_flight[task.task_id] = task
+        st.in_flight.add(task.task_id)
+        self.stats.issued += 1
+        return task
+
+    def on_result(
+        self,
+        now: float,
+        task_id: str,
+        node_id: str,
+        result_version: int,
+        learner_version: int,
+        n_completions: int,
+    ) -> Verdict:
+        """Judge a (signature-checked) result. Only ``accepted`` results go to the buffer."""
+        task = self.in_flight.get(task_id)
+        if task is None:
+            code = self._closed.get(task_id, VerdictCode.UNKNOWN_TASK)
+            self.stats.refuse(code)
+            log.info("result for task %s from %s refused: %s", task_id, node_id, code.value)
+            return Verdict(code)
+        if task.node_id != node_id:
+            # Leave the task in flight: a third party's result says nothing about the real node.
+            self.stats.refuse(VerdictCode.WRONG_NODE)
+            log.warning("result for task %s from %s but assigned to %s", task_id, node_id, task.node_id)
+            return Verdict(VerdictCode.WRONG_NODE, task)
+        if n_completions != task.n_rollouts:
+            self._close(task, VerdictCode.REASSIGNED, requeue=True)
+            self.stats.refuse(VerdictCode.WRONG_COUNT)
+            log.warning("task %s: %d completions, expected %d", task_id, n_completions, task.n_rollouts)
+            return Verdict(VerdictCode.WRONG_COUNT, task)
+        if result_version < task.min_version:
+            self._close(task, VerdictCode.REASSIGNED, requeue=True)
+            self.stats.refuse(VerdictCode.BELOW_MIN_VERSION)
+            log.warning("task %s: version %d < min_version %d", task_id, result_version, task.min_version)
+            return Verdict(VerdictCode.BELOW_MIN_VERSION, task)
+        late = now > task.deadline
+        # The work was done either way, so the timing is a valid rate observation.
+        self._observe_rate(now, task)
+        if not admissible(result_version, learner_version, self.config.staleness):
+            # Stale rollouts are useless to the learner, but the prompts still need rollouts.
+            self._close(task, VerdictCode.DUPLICATE, requeue=True)
+            self.stats.stale_dropped += 1
+            self.stats.refuse(VerdictCode.STALE)
+            return Verdict(VerdictCode.STALE, task, late)
+        self._close(task, VerdictCode.DUPLICATE, requeue=False)
+        self.stats.accepted += 1
+        self.stats.accepted_rollouts += task.n_rollouts
+        return Verdict(VerdictCode.ACCEPTED, task, late)
+
+    def _observe_rate(self, now: float, task: TaskAssignment) -> None:
+        st = self.nodes.get(task.node_id)
+        if st is None:
+            return
+        # Hub-timed: the node works its queue serially, so this task started when it was issued or
+        # when the node's previous result came back, whichever is later.
+        start = max(task.issued_at, st.last_done_at)
+        elapsed = now - start
+        st.last_done_at = now
+        st.completed_tasks += 1
+        if elapsed <= 0:
+            return
+        obs = task.n_rollouts / elapsed
+        a = self.config.ewma_alpha
+        st.rate = max(self.config.min_rate, a * obs + (1 - a) * st.rate)
+
+    def on_decline(self, task_id: str, node_id: str, reason: str = "") -> bool:
+        """The node refused the task; its prompts go back to the front. False if not applicable."""
+        task = self.in_flight.get(task_id)
+        if task is None or task.node_id != node_id:
+            return False
+        log.info("task %s declined by %s: %s", task_id, node_id, reason)
+        self.stats.declined += 1
+        self._close(task, VerdictCode.REASSIGNED, requeue=True)
+        return True
+
+    def on_node_left(self, node_id: str) -> list[str]:
+        """Forget the node; its in-flight tasks' prompts go back to the front of the queue."""
+        st = self.nodes.pop(node_id, None)
+        if st is None:
+            return []
+        # in_flight is in issue order; requeue newest first so the oldest prompts end up in front
+        ids = [tid for tid in reversed(self.in_flight) if tid in st.in_flight]
+        for tid in ids:
+            self._close(self.in_flight[tid], VerdictCode.REASSIGNED, requeue=True)
+        return ids
+
+    def expire(self, now: float) -> list[str]:
+        """Close tasks past their deadline; their prompts go back to the front of the queue."""
+        # newest first (in_flight is in issue order) so the oldest prompts end up in front
+        late = [t for t in reversed(self.in_flight.values()) if now > t.deadline]
+        for t in late:
+            self.stats.expired += 1
+            self._close(t, VerdictCode.REASSIGNED, requeue=True)
+        return [t.task_id for t in late]
+
+    def _close(self, task: TaskAssignment, later: VerdictCode, *, requeue: bool) -> None:
+        del self.in_flight[task.task_id]
+        st = self.nodes.get(task.node_id)
+        if st is not None:
+            st.in_flight.discard(task.task_id)
+            if not st.in_flight:
+                st.busy_until = -math.inf
+        self._closed[task.task_id] = later
+        while len(self._closed) > self.config.closed_memory:
+            self._closed.popitem(last=False)
+        if requeue:
+            self.queue.extendleft(reversed(task.groups))
+            self.stats.requeued_groups += len(task.groups)
+
+
+T = TypeVar("T")
+
+
+@dataclass
+class BufferStats:
+    accepted: int = 0
+    taken: int = 0
+    stale_dropped: int = 0  # refused at add time or aged out before being taken
+    refused_by_reason: dict[str, int] = field(default_factory=dict)
+
+    def refuse(self, reason: str, n: int = 1) -> None:
+        self.refused_by_reason[reason] = self.refused_by_reason.get(reason, 0) + n
+
+
+class ReplayBuffer(Generic[T]):
+    """Admission buffer between accepted results and the learner (BRIEF section 7).
+
+    Items are whatever the learner needs per GRPO group; each carries the policy version it was
+    generated with. Batches are taken oldest version first, because those items are the next to
+    become inadmissible. When full, the oldest-version item is evicted (``refused_by_reason
+    ["evicted"]``): it is the most stale and the first that would be dropped anyway.
+    """
+
+    def __init__(self, staleness: int, max_items: int = 100_000) -> None:
+        if staleness < 0:
+            raise ValueError("staleness must be >= 0")
+        self.staleness = staleness
+        self.max_items = max_items
+        self._heap: list[tuple[int, int, T]] = []
+        self._seq = itertools.count()
+        self.stats = BufferStats()
+
+    def __len__(self) -> int:
+        return len(self._heap)
+
+    @property
+    def stale_dropped(self) -> int:
+        return self.stats.stale_dropped
+
+    @property
+    def accepted(self) -> int:
+        return self.stats.accepted
+
+    @property
+    def refused_by_reason(self) -> dict[str, int]:
+        return self.stats.refused_by_reason
+
+    def add(self, item: T, version: int, learner_step: int) -> bool:
+        if not admissible(version, learner_step, self.staleness):
+            self.stats.stale_dropped += 1
+            self.stats.refuse("stale")
+            return False
+        heapq.heappush(self._heap, (version, next(self._seq), item))
+        self.stats.accepted += 1
+        if len(self._heap) > self.max_items:
+            heapq.heappop(self._heap)
+            self.stats.refuse("evicted")
+        return True
+
+    def drop_stale(self, learner_step: int) -> int:
+        n = 0
+        while self._heap and not admissible(self._heap[0][0], learner_step, self.staleness):
+            heapq.heappop(self._heap)
+            n += 1
+        if n:
+            self.stats.stale_dropped += n
+            self.stats.refuse("stale", n)
+        return n
+
+    def take_batch(self, learner_step: int, n_groups: int) -> list[tuple[int, T]] | None:
+        """``n_groups`` (version, item) pairs admissible at ``learner_step``, oldest version
+        first, or None (nothing removed) if fewer are available."""
+        self.drop_stale(learner_step)
+        if len(self._heap) < n_groups:
+            return None
+        out = [heapq.heappop(self._heap) for _ in range(n_groups)]
+        self.stats.taken += n_groups
+        return [(v, item) for v, _, item in out]
+
+    def versions(self) -> Sequence[int]:
+        return sorted(v for v, _, _ in self._heap)

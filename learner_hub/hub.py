@@ -1,0 +1,533 @@
+"""The learner hub runtime: control plane, data plane, dispatcher, learner and publisher.
+
+Everything that decides lives in pure modules (dispatch, grpo, packing); this module wires them
+to trio: one libp2p host for control, one TCP data plane for policy chunks, the learner in a
+worker thread, and a status file the demo and operators read.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import random
+import signal
+import time
+from collections import Counter, deque
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import trio
+
+from echo2.protocol import envelope
+from echo2.protocol.errors import MeaningError, SignerNotAllowed
+from echo2.protocol.identity import Identity
+from echo2.protocol.messages import (
+    AdmissionDecision,
+    AdmissionRequest,
+    Announce,
+    ErrorReply,
+    Heartbeat,
+    HoldsVersion,
+    Result,
+    Task,
+    TaskDecline,
+    task_hash,
+)
+from echo2.protocol.net.control import ANNOUNCE_TOPIC, ControlHost
+from echo2.protocol.net.dataplane import DataPlaneServer
+from echo2.protocol.net.ratelimit import UploadLimiter
+from echo2.protocol.wire import (
+    ADMISSION,
+    DECLINE,
+    HOLDS,
+    MAX_CONTROL_REQUEST,
+    MAX_RESULT,
+    RESULT,
+    WORK,
+    WORK_POLL_S,
+)
+
+from .config import HubConfig
+from .dispatch import DispatchConfig, Dispatcher, PromptGroup, ReplayBuffer
+from .publisher import PolicyPublisher, StarSender
+
+log = logging.getLogger(__name__)
+
+NODE_SILENCE_S = 3 * WORK_POLL_S + 15.0
+
+
+@dataclass
+class NodeInfo:
+    peer_id: str
+    announce: Announce
+    admitted_at: float
+    last_seen: float
+    held_version: int = -1
+    mailbox: deque[bytes] = field(default_factory=deque)
+    wakeup: trio.Event = field(default_factory=trio.Event)
+    tasks_done: int = 0
+    rollouts: int = 0
+    tokens: int = 0
+    refused: int = 0
+
+
+@dataclass
+class PendingGroup:
+    """A prompt being rolled out: what the hub needs to score its completions."""
+
+    item: Any
+    prompt_ids: list[int]
+
+
+class Hub:
+    def __init__(self, cfg: HubConfig) -> None:
+        import torch
+
+        from echo2.protocol import modelspec
+
+        from .envs import make_env
+        from .learner import Learner
+
+        self.cfg = cfg
+        self.dir = Path(cfg.dir)
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.identity = Identity.load_or_create(self.dir / "hub.key")
+        torch.manual_seed(cfg.seed)
+        dtype = torch.bfloat16 if cfg.dtype == "bfloat16" else torch.float32
+        if cfg.model == "tiny":
+            conf = modelspec.tiny_config(hidden=cfg.tiny_hidden, layers=cfg.tiny_layers)
+            self.model_config, self.artifacts = modelspec.artifacts_for(conf, modelspec.tokenizer_json())
+            model = modelspec.model_from_config(self.model_config)
+        else:
+            model, self.model_config, self.artifacts = modelspec.load_local_model(cfg.model)
+        self.tok = modelspec.load_tokenizer(self.artifacts)
+        self.learner = Learner(
+            model,
+            self.tok,
+            lr=cfg.lr,
+            clip_eps=cfg.clip_eps,
+            kl_coef=cfg.kl_coef,
+            temperature=cfg.temperature,
+            dtype=dtype,
+            publish_dtype=torch.bfloat16 if cfg.publish_dtype == "bfloat16" else torch.float32,
+            seed=cfg.seed,
+        )
+        env_kw: dict[str, Any] = {}
+        if cfg.task == "jsonl":
+            env_kw["path"] = cfg.dataset
+        self.env = make_env(cfg.task, **env_kw)
+        self.rng = random.Random(cfg.seed)
+        self.dispatcher = Dispatcher(
+            DispatchConfig(
+                staleness=cfg.staleness,
+                target_task_s=cfg.task_target_s,
+                min_deadline_s=cfg.task_deadline_s,
+                max_deadline_s=max(cfg.task_deadline_s, 900.0),
+            )
+        )
+        self.buffer: ReplayBuffer[Any] = ReplayBuffer(cfg.staleness)
+        self.pending: dict[str, PendingGroup] = {}
+        self.task_hashes: dict[str, bytes] = {}
+        self.nodes: dict[str, NodeInfo] = {}
+        self.replay = envelope.ReplayGuard()
+        self.refusals: Counter[str] = Counter()
+        self.publisher = PolicyPublisher(self.identity, self.model_config, self.artifacts, cfg)
+        self.sender = StarSender(self.publisher)
+        self._buffer_changed = trio.Event()
+        self._prompt_seq = 0
+        self.history: list[dict[str, Any]] = []
+        self.busy_s = 0.0
+        self.t_first_batch: float | None = None
+        self.t_last_step_end: float | None = None
+        self.started = time.time()
+        self.done = trio.Event()
+        self.training = False
+        self.addrs: list[str] = []
+        self.data_addr = ""
+
+    # --- small helpers -------------------------------------------------------------------------
+    def _signer_is(self, peer: str, admitted: bool = True):  # type: ignore[no-untyped-def]
+        def allowed(signer: str, _t: type) -> bool:
+            return signer == peer and (not admitted or signer in self.nodes)
+
+        return allowed
+
+    def _refuse(self, code: str, peer: str, msg: str) -> None:
+        self.refusals[code] += 1
+        log.warning("refused from %s: [%s] %s", peer, code, msg)
+
+    def consume_step(self) -> int:
+        """The learner step that rollouts dispatched now will feed: the next one while a step is
+        training. Tasks ask for a version that will still be admissible then (>= step - S)."""
+        return self.learner.version + (1 if self.training else 0)
+
+    @property
+    def batch_groups(self) -> int:
+        return self.cfg.prompts_per_step
+
+    def busy_fraction(self) -> float:
+        if self.t_first_batch is None or self.t_last_step_end is None:
+            return 0.0
+        wall = self.t_last_step_end - self.t_first_batch
+        return self.busy_s / wall if wall > 0 else 0.0
+
+    # --- prompts ---------------------------------------------------------------------------------
+    def _outstanding_groups(self) -> int:
+        in_flight = sum(len(t.groups) for t in self.dispatcher.in_flight.values())
+        return len(self.dispatcher.queue) + in_flight + len(self.buffer)
+
+    def _refill(self) -> None:
+        """Keep B·max(1, S) groups in the pipeline: enough to keep the learner busy for S steps."""
+        remaining_steps = self.cfg.steps - self.learner.version
+        if remaining_steps <= 0:
+            return
+        # Rollouts queued beyond B·S would be consumed more than S steps after their version was
+        # current, so they would be dropped as stale: over-generation is pure waste.
+        target = self.batch_groups * min(max(1, self.cfg.staleness), remaining_steps)
+        need = target - self._outstanding_groups()
+        if need <= 0:
+            return
+        items = self.env.sample_prompts(need, self.rng)
+        groups = []
+        for item in items:
+            self._prompt_seq += 1
+            pid = f"p{self._prompt_seq}"
+            ids = self.tok.encode(item.text, add_bos=True)
+            self.pending[pid] = PendingGroup(item, ids)
+            groups.append(PromptGroup(pid, tuple(ids), self.cfg.group_size))
+        self.dispatcher.submit(groups)
+
+    def _pump(self) -> None:
+        """Hand queued prompt groups to nodes that hold a fresh enough version."""
+        now = time.time()
+        t = self.consume_step()
+        min_v = max(0, t - self.cfg.staleness)
+        self.dispatcher.set_active(p for p, n in self.nodes.items() if n.held_version >= min_v)
+        for a in self.dispatcher.next_tasks(now, t):
+            node = self.nodes.get(a.node_id)
+            if node is None:
+                self.dispatcher.on_node_left(a.node_id)
+                continue
+            task = Task(
+                task_id=a.task_id,
+                node_id=a.node_id,
+                prompts=a.prompts,
+                group_size=self.cfg.group_size,
+                max_new_tokens=self.cfg.max_new_tokens,
+                temperature=self.cfg.temperature,
+                top_p=self.cfg.top_p,
+                seed=self.rng.randrange(2**62),
+                min_version=a.min_version,
+                max_version_lag=a.max_version_lag,
+                deadline=a.deadline,
+            )
+            self.task_hashes[a.task_id] = task_hash(task)
+            ttl = max(60.0, a.deadline - now + 60.0)
+            node.mailbox.append(envelope.seal(self.identity, task, ttl_s=ttl))
+            node.wakeup.set()
+
+    # --- control-plane handlers (each guarded by ControlHost; raise Echo2Error to refuse) --------
+    async def on_admission(self, peer: str, data: bytes) -> bytes:
+        v = envelope.open_envelope(data, AdmissionRequest, replay=self.replay, allowed=self._signer_is(peer, admitted=False))
+        req = v.message
+        if req.peer_id != peer or req.announce.peer_id != peer:
+            raise MeaningError("admission request names another peer")
+        admitted, reason = True, "open admission"
+        if self.cfg.admission != "open":
+            admitted, reason = False, f"admission mode {self.cfg.admission!r} is not available in this version"
+        if admitted:
+            now = time.time()
+            node = self.nodes.get(peer)
+            if node is None:
+                self.nodes[peer] = NodeInfo(peer, req.announce, now, now)
+                log.info("admitted node %s (%s, price %.3f $/h)", peer, req.announce.cpu_model or "?", req.announce.price_usd_per_hour)
+            else:
+                node.announce, node.last_seen = req.announce, now
+            self.dispatcher.add_node(peer, rate=max(req.announce.rollouts_per_s, 1.0))
+        decision = AdmissionDecision(
+            peer_id=peer,
+            admitted=admitted,
+            reason=reason,
+            hub_data_addr=self.data_addr,
+            current_version=self.publisher.latest_version,
+            staleness=self.cfg.staleness,
+        )
+        return envelope.seal(self.identity, decision)
+
+    async def on_work(self, peer: str, data: bytes) -> bytes:
+        v = envelope.open_envelope(data, Heartbeat, replay=self.replay, allowed=self._signer_is(peer))
+        node = self.nodes[peer]
+        node.last_seen = time.time()
+        if v.message.versions_held:
+            node.held_version = max(node.held_version, max(v.message.versions_held))
+        self._pump()
+        with trio.move_on_after(WORK_POLL_S):
+            while not node.mailbox:
+                node.wakeup = trio.Event()
+                await node.wakeup.wait()
+        node.last_seen = time.time()
+        if node.mailbox:
+            return node.mailbox.popleft()
+        return envelope.seal(self.identity, ErrorReply(code="no_work", message="no work right now"))
+
+    async def on_result(self, peer: str, data: bytes) -> bytes:
+        v = envelope.open_envelope(data, Result, replay=self.replay, allowed=self._signer_is(peer), max_size=MAX_RESULT)
+        r = v.message
+        node = self.nodes[peer]
+        node.last_seen = time.time()
+        if r.node_id != peer:
+            node.refused += 1
+            raise SignerNotAllowed("result names another node")
+        expected = self.task_hashes.get(r.task_id)
+        if expected is not None and expected != r.task_hash:
+            node.refused += 1
+            raise MeaningError("result is bound to a different task (task hash mismatch)")
+        task = self.dispatcher.in_flight.get(r.task_id)
+        if task is not None and task.node_id == peer:
+            self._check_completions(task, r)
+        verdict = self.dispatcher.on_result(time.time(), r.task_id, peer, r.version, self.learner.version, len(r.completions))
+        if not verdict.accepted:
+            node.refused += 1
+            self._pump()
+            raise MeaningError(f"result refused: {verdict.code.value}")
+        assert verdict.task is not None
+        self._admit_result(verdict.task, r, node)
+        self._refill()
+        self._pump()
+        return envelope.seal(self.identity, ErrorReply(code="ok", message="accepted"))
+
+    def _check_completions(self, task: Any, r: Result) -> None:
+        vocab = self.tok.vocab_size
+        counts = Counter(c.prompt_index for c in r.completions)
+        for i, g in enumerate(task.groups):
+            if counts.get(i, 0) != g.group_size:
+                raise MeaningError(f"prompt {i} has {counts.get(i, 0)} completions, expected {g.group_size}")
+        for c in r.completions:
+            if c.prompt_index >= len(task.groups):
+                raise MeaningError(f"completion for prompt {c.prompt_index} outside the task")
+            if len(c.token_ids) > self.cfg.max_new_tokens:
+                raise MeaningError("completion longer than max_new_tokens")
+            if any(t >= vocab for t in c.token_ids):
+                raise MeaningError("token id outside the vocabulary")
+
+    def _admit_result(self, task: Any, r: Result, node: NodeInfo) -> None:
+        from .learner import Group, Sample
+
+        by_prompt: dict[int, list[Any]] = {}
+        for c in r.completions:
+            by_prompt.setdefault(c.prompt_index, []).append(c)
+        for i, g in enumerate(task.groups):
+            pend = self.pending.pop(g.prompt_id, None)
+            if pend is None:
+                continue
+            samples = []
+            for c in by_prompt.get(i, []):
+                ids = list(c.token_ids)
+                text_ids = ids[:-1] if ids and ids[-1] in self.tok.stop_ids else ids
+                reward = float(self.env.reward(pend.item, self.tok.decode(text_ids), c.finish_reason))
+                samples.append(
+                    Sample(
+                        token_ids=ids,
+                        logprobs=list(c.logprobs),
+                        reward=reward,
+                        version=r.version,
+                        node_id=node.peer_id,
+                        finish_reason=c.finish_reason,
+                    )
+                )
+            self.buffer.add(Group(prompt_ids=pend.prompt_ids, samples=samples), r.version, self.learner.version)
+        node.tasks_done += 1
+        node.rollouts += len(r.completions)
+        node.tokens += r.tokens
+        self._buffer_changed.set()
+
+    async def on_decline(self, peer: str, data: bytes) -> bytes:
+        v = envelope.open_envelope(data, TaskDecline, replay=self.replay, allowed=self._signer_is(peer))
+        self.dispatcher.on_decline(v.message.task_id, peer, v.message.reason)
+        self._pump()
+        return envelope.seal(self.identity, ErrorReply(code="ok", message="noted"))
+
+    async def on_holds(self, peer: str, data: bytes) -> bytes:
+        v = envelope.open_envelope(data, HoldsVersion, replay=self.replay, allowed=self._signer_is(peer))
+        node = self.nodes[peer]
+        node.held_version = max(node.held_version, v.message.version)
+        self.publisher.record_holds(peer, v.message.version)
+        self._pump()
+        return envelope.seal(self.identity, ErrorReply(code="ok", message="noted"))
+
+    async def on_announce(self, peer: str, data: bytes) -> None:
+        v = envelope.open_envelope(data, Announce, replay=self.replay)
+        node = self.nodes.get(v.signer)
+        if node is not None and v.message.peer_id == v.signer:
+            node.announce = v.message
+
+    # --- loops -----------------------------------------------------------------------------------
+    async def learner_loop(self) -> None:
+        while self.learner.version < self.cfg.steps:
+            self._refill()
+            self._pump()
+            batch = self.buffer.take_batch(self.learner.version, self.batch_groups)
+            if batch is None:
+                self._buffer_changed = trio.Event()
+                with trio.move_on_after(1.0):
+                    await self._buffer_changed.wait()
+                continue
+            t0 = time.time()
+            if self.t_first_batch is None:
+                self.t_first_batch = t0
+            self.training = True
+            self._pump()
+            try:
+                stats = await trio.to_thread.run_sync(self.learner.step, [g for _, g in batch])
+            finally:
+                self.training = False
+            t1 = time.time()
+            self.busy_s += t1 - t0
+            self.t_last_step_end = t1
+            self.history.append(
+                {
+                    "step": self.learner.version,
+                    "t": round(t1 - self.started, 3),
+                    "reward": stats.reward_mean,
+                    "loss": stats.loss,
+                    "staleness_mean": stats.staleness_mean,
+                    "mismatch_max": stats.mismatch_max,
+                    "train_s": round(t1 - t0, 4),
+                    "busy_fraction": self.busy_fraction(),
+                }
+            )
+            log.info(
+                "step %d reward %.3f loss %.4f staleness %.2f busy %.2f",
+                self.learner.version, stats.reward_mean, stats.loss, stats.staleness_mean, self.busy_fraction(),
+            )
+            await self.publish()
+            self._refill()
+            self._pump()
+            self.write_status()
+        log.info("finished %d steps", self.cfg.steps)
+        self.write_status(final=True)
+        self.done.set()
+
+    async def publish(self) -> None:
+        sd = self.learner.state_dict_for_publish()
+        await self.publisher.publish(self.learner.version, sd)
+        self.sender.notify()
+
+    async def housekeeping(self) -> None:
+        while True:
+            await trio.sleep(1.0)
+            now = time.time()
+            if self.dispatcher.expire(now):
+                self._pump()
+            for peer, node in list(self.nodes.items()):
+                if now - node.last_seen > NODE_SILENCE_S:
+                    log.warning("node %s silent for %.0fs: dropping it; its tasks are reassigned", peer, now - node.last_seen)
+                    self.dispatcher.on_node_left(peer)
+                    del self.nodes[peer]
+                    self._pump()
+            self.write_status()
+
+    # --- status ----------------------------------------------------------------------------------
+    def status(self) -> dict[str, Any]:
+        st = self.dispatcher.stats
+        return {
+            "peer_id": self.identity.peer_id,
+            "addrs": self.addrs,
+            "step": self.learner.version,
+            "steps": self.cfg.steps,
+            "staleness": self.cfg.staleness,
+            "task": self.cfg.task,
+            "wall_s": round(time.time() - self.started, 3),
+            "learner_busy_fraction": self.busy_fraction(),
+            "results_accepted": st.accepted,
+            "rollouts_accepted": st.accepted_rollouts,
+            "stale_dropped": st.stale_dropped + self.buffer.stale_dropped,
+            "refused_by_reason": dict(Counter(st.refused_by_reason) + self.refusals),
+            "tasks_issued": st.issued,
+            "tasks_expired": st.expired,
+            "tasks_declined": st.declined,
+            "latest_version": self.publisher.latest_version,
+            "broadcast": self.publisher.broadcast_metrics(),
+            "nodes": [
+                {
+                    "peer_id": n.peer_id,
+                    "held_version": n.held_version,
+                    "tasks_done": n.tasks_done,
+                    "rollouts": n.rollouts,
+                    "tokens": n.tokens,
+                    "refused": n.refused,
+                    "price_usd_per_hour": n.announce.price_usd_per_hour,
+                }
+                for n in self.nodes.values()
+            ],
+            "history": self.history,
+        }
+
+    def write_status(self, final: bool = False) -> None:
+        s = self.status()
+        s["final"] = final
+        path = self.dir / "status.json"
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(s))
+        os.replace(tmp, path)
+
+    async def _watch_signals(self, scope: trio.CancelScope) -> None:
+        with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+            async for signum in signals:
+                log.info("received %s: stopping the hub", signal.Signals(signum).name)
+                self.write_status(final=True)
+                scope.cancel()
+                return
+
+    # --- main ------------------------------------------------------------------------------------
+    async def run(self) -> int:
+        async with ControlHost(self.identity, listen_port=self.cfg.listen_port, listen_host=self.cfg.listen_host) as host:
+            host.set_handler(ADMISSION, self.on_admission, max_request=MAX_CONTROL_REQUEST)
+            host.set_handler(WORK, self.on_work, max_request=MAX_CONTROL_REQUEST)
+            host.set_handler(RESULT, self.on_result, max_request=MAX_RESULT)
+            host.set_handler(DECLINE, self.on_decline, max_request=MAX_CONTROL_REQUEST)
+            host.set_handler(HOLDS, self.on_holds, max_request=MAX_CONTROL_REQUEST)
+            await host.subscribe(ANNOUNCE_TOPIC, self.on_announce)
+            async with trio.open_nursery() as nursery:
+                server = DataPlaneServer(
+                    self.identity,
+                    self.sender.serve_connection,
+                    host=self.cfg.listen_host,
+                    port=self.cfg.data_port,
+                    allow=lambda pid: pid in self.nodes,
+                    upload_limiter=UploadLimiter(self.cfg.upload_limit_MBps) if self.cfg.upload_limit_MBps > 0 else None,
+                )
+                await nursery.start(server.serve)
+                self.data_addr = f"{self.cfg.listen_host}:{server.port}"
+                self.addrs = list(host.addrs)
+                (self.dir / "hub.addrs").write_text("\n".join(self.addrs) + "\n")
+                print("echo2 hub listening:")
+                for a in self.addrs:
+                    print(f"  {a}")
+                print(f"  data plane {self.data_addr}", flush=True)
+                await self.publish()  # version 0
+                nursery.start_soon(self.learner_loop)
+                nursery.start_soon(self.housekeeping)
+                nursery.start_soon(self._watch_signals, nursery.cancel_scope)
+                await self.done.wait()
+                if self.cfg.exit_when_done:
+                    await trio.sleep(0.5)
+                    nursery.cancel_scope.cancel()
+                else:
+                    await trio.sleep_forever()
+        return 0
+
+
+def run_hub(cfg: HubConfig) -> int:
+    hub = Hub(cfg)
+
+    async def main() -> int:
+        return await hub.run()
+
+    try:
+        return trio.run(main)
+    except KeyboardInterrupt:
+        hub.write_status(final=True)
+        return 0

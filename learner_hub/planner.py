@@ -1,0 +1,311 @@
+"""The hub's broadcast planner (pure, no I/O).
+
+Scheme: interleaved trees in the style of SplitStream. The chunks of a version are striped over
+``S`` stripes (chunk ``i`` belongs to stripe ``i % S``) and every stripe has its own tree that
+spans all nodes. Each fast, directly reachable node is interior in exactly one stripe (where it
+forwards to about ``S`` children) and a leaf in all the others; slow and NAT-bound nodes are
+leaves everywhere. So every relay uploads about ``M`` bytes in total (``S`` children times ``M/S``),
+the hub uploads ``M`` (one copy per stripe root), no link carries more than its share and the
+pipeline depth is only ``log_S N``: time ≈ ``M/b · (1 + S·depth/k)`` for ``k`` chunks. A plain
+fan-out tree (one stripe) would multiply the floor by the fan-out, a chain would be ``N`` chunks
+deep; ``bench/broadcast_sim.py`` compares all three (see ``scheme_table`` there).
+
+A node's fan-out follows its measured upload: a node with twice the stream rate gets twice the
+children. The plan is repaired on leave/join by :func:`replan` (orphans move, with their subtree,
+under the shallowest interior node of that stripe with spare capacity, else under the hub).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import deque
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+
+log = logging.getLogger(__name__)
+
+HUB = "hub"
+DEFAULT_STRIPES = 2
+MAX_FANOUT = 16
+# A node uploading less than this fraction of the stream rate would throttle everything below it.
+SLOW_FRACTION = 0.5
+
+
+@dataclass(frozen=True)
+class NodeInfo:
+    """What the planner needs to know about an active node."""
+
+    node_id: str
+    upload_Bps: float
+    reachable: bool = True
+
+
+@dataclass
+class Plan:
+    """Per-stripe trees. ``parent[s][n]`` is ``n``'s parent in stripe ``s`` (``hub`` for roots);
+    ``children[s][p]`` lists ``p``'s children in stripe ``s`` (the hub included as a key)."""
+
+    version: int
+    hub: str
+    stripes: int
+    parent: list[dict[str, str]]
+    children: list[dict[str, list[str]]]
+    interior: dict[str, int] = field(default_factory=dict)  # node -> its one interior stripe
+    capacity: dict[str, int] = field(default_factory=dict)  # node -> max children there
+    hub_capacity: int = 1  # hub children per stripe it aims for (may be exceeded by repairs)
+    reachable: dict[str, bool] = field(default_factory=dict)
+
+    @property
+    def nodes(self) -> list[str]:
+        return sorted(self.parent[0]) if self.parent else []
+
+    def stripe_of(self, index: int) -> int:
+        return index % self.stripes
+
+    def parents_of(self, node: str) -> list[str]:
+        """Parent per stripe."""
+        return [p[node] for p in self.parent]
+
+    def children_of(self, node: str, stripe: int) -> list[str]:
+        return self.children[stripe].get(node, [])
+
+    def depth(self, stripe: int) -> dict[str, int]:
+        """Hops from the hub in ``stripe`` for every node reachable from the hub."""
+        return _depths(self.children[stripe], self.hub)
+
+    def max_depth(self) -> int:
+        return max((max(self.depth(s).values(), default=0) for s in range(self.stripes)), default=0)
+
+    def single_tree_maps(self) -> tuple[dict[str, str], dict[str, list[str]]]:
+        """``parent_of``/``children`` of stripe 0, for a wire message that has one tree only."""
+        return dict(self.parent[0]), {k: list(v) for k, v in self.children[0].items()}
+
+
+def _depths(children: dict[str, list[str]], root: str) -> dict[str, int]:
+    depth = {root: 0}
+    queue = deque([root])
+    while queue:
+        p = queue.popleft()
+        for c in children.get(p, ()):
+            if c not in depth:
+                depth[c] = depth[p] + 1
+                queue.append(c)
+    return depth
+
+
+def star_plan(version: int, nodes: Iterable[NodeInfo | str], *, hub: str = HUB) -> Plan:
+    """The hub sends everything to everybody (the baseline)."""
+    ids = sorted(n if isinstance(n, str) else n.node_id for n in nodes)
+    reach = {n.node_id: n.reachable for n in nodes if isinstance(n, NodeInfo)}
+    return Plan(
+        version=version,
+        hub=hub,
+        stripes=1,
+        parent=[{n: hub for n in ids}],
+        children=[{hub: list(ids)}],
+        hub_capacity=max(1, len(ids)),
+        reachable={n: reach.get(n, True) for n in ids},
+    )
+
+
+def plan_broadcast(
+    version: int,
+    hub_upload_Bps: float,
+    nodes: Sequence[NodeInfo],
+    n_chunks: int,
+    *,
+    hub: str = HUB,
+    stripes: int | None = None,
+    fanout: int | None = None,
+    max_fanout: int = MAX_FANOUT,
+) -> Plan:
+    """Plan the broadcast of one version.
+
+    ``stripes`` defaults to :data:`DEFAULT_STRIPES` (chosen by simulation); it is cut to the
+    number of chunks and of nodes fit to be interior. ``fanout`` forces every interior node's
+    fan-out (for comparisons: ``stripes=1, fanout=1`` is a chain, ``stripes=1, fanout=f`` a plain
+    tree); by default a node's fan-out is ``stripes · upload / stream_rate``.
+    """
+    if hub_upload_Bps <= 0:
+        raise ValueError("hub upload bandwidth must be positive")
+    seen: set[str] = set()
+    for n in nodes:
+        if n.node_id in seen or n.node_id == hub:
+            raise ValueError(f"duplicate or reserved node id {n.node_id!r}")
+        seen.add(n.node_id)
+    if not nodes:
+        return Plan(version, hub, 1, [{}], [{hub: []}])
+    s_req = DEFAULT_STRIPES if stripes is None else stripes
+    if s_req < 1:
+        raise ValueError("stripes must be >= 1")
+
+    reach_bw = sorted(n.upload_Bps for n in nodes if n.reachable and n.upload_Bps > 0)
+    # The rate the whole version can flow at: no faster than the hub, and sized for the typical
+    # relay so that it can feed `stripes` children at full stripe rate.
+    median = reach_bw[len(reach_bw) // 2] if reach_bw else 0.0
+    rate = min(hub_upload_Bps, median) if median > 0 else hub_upload_Bps
+    eligible = sorted(
+        (n for n in nodes if n.reachable and n.upload_Bps >= SLOW_FRACTION * rate),
+        key=lambda n: (-n.upload_Bps, n.node_id),
+    )
+    n_stripes = max(1, min(s_req, n_chunks if n_chunks > 0 else 1, len(eligible) or 1))
+    stripe_rate = rate / n_stripes
+
+    capacity: dict[str, int] = {}
+    for n in eligible:
+        cap = fanout if fanout is not None else int(n.upload_Bps / stripe_rate + 1e-9)
+        capacity[n.node_id] = max(1, min(max_fanout, cap))
+    hub_cap = max(1, min(max_fanout, int(hub_upload_Bps / rate + 1e-9)))
+    if fanout is not None and n_stripes == 1:
+        hub_cap = 1  # chain / plain-tree baselines start from one root
+
+    # Interior groups: fastest first, each to the stripe with the least capacity so far.
+    groups: list[list[NodeInfo]] = [[] for _ in range(n_stripes)]
+    group_cap = [0] * n_stripes
+    for n in eligible:
+        s = min(range(n_stripes), key=lambda j: (group_cap[j], j))
+        groups[s].append(n)
+        group_cap[s] += capacity[n.node_id]
+    interior = {n.node_id: s for s, g in enumerate(groups) for n in g}
+
+    order_rest = sorted(
+        (n for n in nodes if n.node_id not in interior),
+        key=lambda n: (not n.reachable, -n.upload_Bps, n.node_id),
+    )
+    total = len(nodes)
+    parents: list[dict[str, str]] = []
+    childs: list[dict[str, list[str]]] = []
+    for s in range(n_stripes):
+        inner = groups[s]
+        # Enough slots for every node not under the hub; if not, widen the fastest nodes.
+        need = total - min(hub_cap, total)
+        have = sum(capacity[n.node_id] for n in inner)
+        i = 0
+        while inner and have < need:
+            capacity[inner[i % len(inner)].node_id] += 1
+            have += 1
+            i += 1
+        others = [n for n in eligible if interior[n.node_id] != s]
+        order = [n.node_id for n in inner] + [n.node_id for n in others] + [n.node_id for n in order_rest]
+        parent: dict[str, str] = {}
+        children: dict[str, list[str]] = {hub: []}
+        slots: deque[tuple[str, int]] = deque([(hub, hub_cap if inner else total)])
+        for nid in order:
+            while slots and len(children[slots[0][0]]) >= slots[0][1]:
+                slots.popleft()
+            p = slots[0][0] if slots else hub
+            parent[nid] = p
+            children.setdefault(p, []).append(nid)
+            if interior.get(nid) == s:
+                children[nid] = []
+                slots.append((nid, capacity[nid]))
+        parents.append(parent)
+        childs.append(children)
+    plan = Plan(
+        version=version,
+        hub=hub,
+        stripes=n_stripes,
+        parent=parents,
+        children=childs,
+        interior=interior,
+        capacity=capacity,
+        hub_capacity=hub_cap,
+        reachable={n.node_id: n.reachable for n in nodes},
+    )
+    log.debug("plan v%d: %d nodes, %d stripes, depth %d", version, total, n_stripes, plan.max_depth())
+    return plan
+
+
+def check_plan(plan: Plan) -> None:
+    """Raise ValueError unless the plan's invariants hold: in every stripe each node has one
+    parent, is reachable from the hub, no cycles, parent/children agree; a node has children in
+    at most one stripe (its interior one); NAT-bound nodes are leaves."""
+    nodes = set(plan.parent[0]) if plan.parent else set()
+    for s in range(plan.stripes):
+        parent, children = plan.parent[s], plan.children[s]
+        if set(parent) != nodes:
+            raise ValueError(f"stripe {s}: node set differs")
+        for p, cs in children.items():
+            if p != plan.hub and p not in nodes:
+                raise ValueError(f"stripe {s}: unknown parent {p}")
+            for c in cs:
+                if parent.get(c) != p:
+                    raise ValueError(f"stripe {s}: {c} listed under {p} but parent is {parent.get(c)}")
+        listed = sum(len(cs) for cs in children.values())
+        if listed != len(nodes):
+            raise ValueError(f"stripe {s}: {listed} child entries for {len(nodes)} nodes")
+        depth = plan.depth(s)
+        if set(depth) - {plan.hub} != nodes:
+            raise ValueError(f"stripe {s}: nodes not reachable from the hub (cycle?)")
+        for p, cs in children.items():
+            if cs and p != plan.hub:
+                if plan.interior.get(p) != s:
+                    raise ValueError(f"stripe {s}: {p} has children but is interior in {plan.interior.get(p)}")
+                if not plan.reachable.get(p, True):
+                    raise ValueError(f"stripe {s}: NAT-bound {p} has children")
+
+
+def _attach(plan: Plan, s: int, node: str, depth: dict[str, int], exclude: set[str]) -> None:
+    children = plan.children[s]
+    best: tuple[int, str] | None = None
+    for cand, st in plan.interior.items():
+        if st != s or cand in exclude or cand not in depth:
+            continue
+        if len(children.get(cand, ())) < plan.capacity.get(cand, 0):
+            key = (depth[cand], cand)
+            if best is None or key < best:
+                best = key
+    p = plan.hub if best is None else best[1]
+    plan.parent[s][node] = p
+    children.setdefault(p, []).append(node)
+    # The moved subtree's depths shift; later choices in this repair need them right.
+    base = depth[p] + 1
+    sub = _depths(children, node)
+    for n, d in sub.items():
+        depth[n] = base + d
+
+
+def _subtree(children: dict[str, list[str]], root: str) -> set[str]:
+    return set(_depths(children, root))
+
+
+def replan(plan: Plan, left: Iterable[str] = (), joined: Iterable[NodeInfo] = ()) -> Plan:
+    """Repair ``plan`` (a new object; the old one is untouched) when nodes leave or join during a
+    broadcast. Orphans keep their subtrees; joined nodes become leaves in every stripe."""
+    new = Plan(
+        version=plan.version,
+        hub=plan.hub,
+        stripes=plan.stripes,
+        parent=[dict(p) for p in plan.parent],
+        children=[{k: list(v) for k, v in c.items()} for c in plan.children],
+        interior=dict(plan.interior),
+        capacity=dict(plan.capacity),
+        hub_capacity=plan.hub_capacity,
+        reachable=dict(plan.reachable),
+    )
+    gone = {n for n in left if n in new.reachable or (new.parent and n in new.parent[0])}
+    for s in range(new.stripes):
+        parent, children = new.parent[s], new.children[s]
+        orphans: list[str] = []
+        for g in gone:
+            p = parent.pop(g, None)
+            if p is not None and g in children.get(p, []):
+                children[p].remove(g)
+            orphans.extend(c for c in children.pop(g, []) if c not in gone)
+        depth = _depths(children, new.hub)
+        # Interior orphans first so that they take the shallow slots; then by id for determinism.
+        orphans.sort(key=lambda n: (new.interior.get(n) != s, n))
+        for o in orphans:
+            _attach(new, s, o, depth, _subtree(children, o))
+    for g in gone:
+        new.interior.pop(g, None)
+        new.capacity.pop(g, None)
+        new.reachable.pop(g, None)
+    for n in joined:
+        if n.node_id == new.hub or (new.parent and n.node_id in new.parent[0]):
+            continue
+        new.reachable[n.node_id] = n.reachable
+        for s in range(new.stripes):
+            _attach(new, s, n.node_id, _depths(new.children[s], new.hub), set())
+    log.debug("replan v%d: -%d +%d nodes", new.version, len(gone), len(new.reachable) - len(plan.reachable) + len(gone))
+    return new

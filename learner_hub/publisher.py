@@ -1,0 +1,157 @@
+"""Publishing policy versions: packing, the signed manifest, and the sender behind an interface.
+
+``PolicyPublisher`` packs each new version (deltas against the previous one, a full snapshot
+every K versions) and keeps broadcast metrics. A ``Sender`` moves a published version to nodes;
+``StarSender`` is the simple one: the hub streams manifest and chunks to every connected node over
+its data-plane connection. The pipelined relay is another Sender.
+"""
+
+from __future__ import annotations
+
+import logging
+import statistics
+import time
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import trio
+
+from echo2.protocol import envelope, packing
+from echo2.protocol.errors import Echo2Error
+from echo2.protocol.identity import Identity
+from echo2.protocol.wire import ENC_FULL, ENC_MANIFEST, pack_chunk_frame
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Published:
+    version: int
+    packed: Any  # packing.PackedVersion
+    manifest_envelope: bytes
+    published_at: float
+    full_cache: dict[int, bytes] = field(default_factory=dict)
+    holds: dict[str, float] = field(default_factory=dict)  # peer -> seconds after publication
+
+    def full_encoding(self, index: int) -> bytes:
+        """The zstd (non-delta) encoding of a chunk, for a node lacking the delta's parent."""
+        enc = self.full_cache.get(index)
+        if enc is None:
+            m = self.packed.manifest
+            enc = packing.encode_chunk(self.packed.raw_chunks[index], bf16_split=m.bf16_split)
+            self.full_cache[index] = enc
+        return enc
+
+
+class PolicyPublisher:
+    def __init__(self, identity: Identity, model_config: str, artifacts: dict[str, bytes], cfg: Any) -> None:
+        self.identity = identity
+        self.model_config = model_config
+        self.artifacts = artifacts
+        self.chunk_size = int(cfg.chunk_bytes) or packing.DEFAULT_CHUNK_SIZE
+        self.full_every = int(cfg.full_every)
+        self.latest: Published | None = None
+        self.history: list[dict[str, Any]] = []
+
+    @property
+    def latest_version(self) -> int:
+        return self.latest.version if self.latest else -1
+
+    async def publish(self, version: int, state_dict: dict[str, Any]) -> Published:
+        parent = self.latest.packed if self.latest else None
+
+        def pack() -> Any:
+            return packing.pack_version(
+                state_dict,
+                version=version,
+                parent=parent,
+                chunk_size=self.chunk_size,
+                model_config=self.model_config,
+                artifacts=self.artifacts,
+                full_every=self.full_every,
+            )
+
+        t0 = time.time()
+        packed = await trio.to_thread.run_sync(pack)
+        env = envelope.seal(self.identity, packed.manifest, ttl_s=7 * 24 * 3600.0)
+        pub = Published(version, packed, env, time.time())
+        if self.latest is not None:
+            self._close_metrics(self.latest)
+        self.latest = pub
+        enc = sum(len(e) for e in packed.encoded)
+        log.info(
+            "published version %d: %d chunks, %.2f MB raw, %.2f MB encoded (%.1fs to pack)",
+            version, len(packed.encoded), packed.manifest.total_bytes / 1e6, enc / 1e6, time.time() - t0,
+        )
+        return pub
+
+    def record_holds(self, peer: str, version: int) -> None:
+        pub = self.latest
+        if pub is not None and pub.version == version and peer not in pub.holds:
+            pub.holds[peer] = time.time() - pub.published_at
+
+    def _close_metrics(self, pub: Published) -> None:
+        times = sorted(pub.holds.values())
+        self.history.append(
+            {
+                "version": pub.version,
+                "nodes": len(times),
+                "first_s": times[0] if times else None,
+                "median_s": statistics.median(times) if times else None,
+                "last_s": times[-1] if times else None,
+            }
+        )
+        del self.history[:-1000]
+
+    def broadcast_metrics(self) -> dict[str, Any]:
+        lasts = [h["last_s"] for h in self.history if h["last_s"] is not None]
+        return {
+            "versions": len(self.history),
+            "last_node_s_median": statistics.median(lasts) if lasts else None,
+            "recent": self.history[-5:],
+        }
+
+
+class Sender(Protocol):
+    def notify(self) -> None: ...
+
+    async def serve_connection(self, conn: Any) -> None: ...
+
+
+class StarSender:
+    """The hub streams every new version to each connected node (time ≈ N·M / b_hub)."""
+
+    def __init__(self, publisher: PolicyPublisher) -> None:
+        self.publisher = publisher
+        self._new_version = trio.Event()
+        self.bytes_sent = 0
+
+    def notify(self) -> None:
+        self._new_version.set()
+        self._new_version = trio.Event()
+
+    async def serve_connection(self, conn: Any) -> None:
+        sent = -1
+        peer = conn.peer_id
+        log.info("policy downlink open to %s", peer)
+        while True:
+            pub = self.publisher.latest
+            if pub is None or pub.version <= sent:
+                await self._new_version.wait()
+                continue
+            manifest = pub.packed.manifest
+            # The node holds `sent` verified (same TCP stream, in order), so deltas against it work.
+            have_parent = manifest.parent is not None and manifest.parent == sent
+            await conn.send_message(pub.manifest_envelope)
+            for entry, enc in zip(manifest.chunks, pub.packed.encoded, strict=True):
+                if entry.encoding == "delta" and not have_parent:
+                    data = await trio.to_thread.run_sync(pub.full_encoding, entry.index)
+                    payload = pack_chunk_frame(pub.version, entry.index, ENC_FULL, data)
+                else:
+                    payload = pack_chunk_frame(pub.version, entry.index, ENC_MANIFEST, enc)
+                await conn.send_chunk(payload)
+                self.bytes_sent += len(payload)
+            sent = pub.version
+
+
+__all__ = ["PolicyPublisher", "Published", "Sender", "StarSender", "Echo2Error"]

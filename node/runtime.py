@@ -1,0 +1,425 @@
+"""The volunteer node: connect, get admitted, receive policy versions, run signed tasks.
+
+Three trio tasks share one libp2p host: the downlink (policy versions over the data plane),
+the worker (long-polls the hub for tasks, samples in a worker thread, returns signed results)
+and the heartbeat/announce loop. Every failure of the hub or the network is retried with
+capped, jittered backoff; nothing from the network is trusted before it verifies.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import random
+import signal
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import trio
+
+from echo2 import __version__
+from echo2.protocol import envelope, packing
+from echo2.protocol.errors import Echo2Error, TransportError
+from echo2.protocol.identity import Identity
+from echo2.protocol.messages import (
+    AdmissionDecision,
+    AdmissionRequest,
+    Announce,
+    ErrorReply,
+    Heartbeat,
+    HoldsVersion,
+    Manifest,
+    Result,
+    Task,
+    TaskDecline,
+    task_hash,
+)
+from echo2.protocol.net import dataplane
+from echo2.protocol.net.control import ANNOUNCE_TOPIC, ControlHost, RemoteError
+from echo2.protocol.wire import (
+    ADMISSION,
+    DECLINE,
+    HOLDS,
+    MAX_CONTROL_REQUEST,
+    MAX_TASK,
+    RESULT,
+    WORK,
+    WORK_POLL_S,
+    unpack_chunk_frame,
+)
+
+from .hardware import probe
+from .versions import Assembly, HeldVersion
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class NodeConfig:
+    hub: str
+    data_dir: Path
+    engine: str = "auto"
+    price_usd_per_hour: float = 0.0
+    max_upload_MBps: float = 0.0
+    listen_host: str = "127.0.0.1"
+    listen_port: int = 0
+    join_token: str = ""
+    threads: int = 0
+    max_tasks: int = 0  # stop after this many tasks (0 = run until stopped); for tests and demos
+
+
+@dataclass
+class NodeStats:
+    tasks_done: int = 0
+    tasks_declined: int = 0
+    results_refused: int = 0
+    tokens: int = 0
+    versions_loaded: list[int] = field(default_factory=list)
+    admitted: bool = False
+    admission_reason: str = ""
+
+
+def hub_peer_id(multiaddr: str) -> str:
+    parts = multiaddr.rstrip("/").split("/")
+    if "p2p" not in parts or parts.index("p2p") + 1 >= len(parts):
+        raise ValueError(f"hub address must end with /p2p/<peer ID>: {multiaddr}")
+    return parts[parts.index("p2p") + 1]
+
+
+class Node:
+    def __init__(self, cfg: NodeConfig) -> None:
+        self.cfg = cfg
+        cfg.data_dir.mkdir(parents=True, exist_ok=True)
+        self.identity = Identity.load_or_create(cfg.data_dir / "node.key")
+        self.hub_peer = hub_peer_id(cfg.hub)
+        self.stats = NodeStats()
+        self.held: HeldVersion | None = None
+        self.version_changed = trio.Event()
+        self.replay = envelope.ReplayGuard()
+        self._engine_lock = trio.Lock()
+        self._engine: Any = None
+        self._hub_data_addr = ""
+        self._seq = 0
+        self._stop = trio.Event()
+        self._started = time.time()
+        self._current_task: Task | None = None
+        self._pending_holds: HoldsVersion | None = None
+
+    @property
+    def peer_id(self) -> str:
+        return self.identity.peer_id
+
+    # --- helpers -------------------------------------------------------------------------------
+    def _hub_only(self, signer: str, _t: type) -> bool:
+        return signer == self.hub_peer
+
+    def _announce(self, host: ControlHost) -> Announce:
+        hw = probe(self.cfg.data_dir)
+        eng = self._engine
+        return Announce(
+            peer_id=self.peer_id,
+            software_version=__version__,
+            accelerator=hw.accelerator,
+            accelerator_count=hw.accelerator_count,
+            accelerator_memory_bytes=hw.accelerator_memory_bytes,
+            cpu_model=hw.cpu_model,
+            cpu_cores=hw.cpu_cores,
+            ram_bytes=hw.ram_bytes,
+            free_disk_bytes=hw.free_disk_bytes,
+            engine=getattr(eng, "name", self.cfg.engine),
+            engine_version=str(getattr(eng, "engine_version", "")),
+            tokens_per_s=0.0,
+            rollouts_per_s=0.0,
+            upload_MBps=0.0,
+            download_MBps=0.0,
+            price_usd_per_hour=self.cfg.price_usd_per_hour,
+            listen_addrs=list(host.addrs)[:16],
+            data_addr="",
+            reachable=False,
+            versions_held=[self.held.version] if self.held else [],
+            max_upload_MBps=self.cfg.max_upload_MBps,
+        )
+
+    def _write_state(self) -> None:
+        state = {
+            "peer_id": self.peer_id,
+            "hub": self.cfg.hub,
+            "admitted": self.stats.admitted,
+            "admission_reason": self.stats.admission_reason,
+            "version": self.held.version if self.held else None,
+            "versions_loaded": self.stats.versions_loaded[-8:],
+            "tasks_done": self.stats.tasks_done,
+            "tasks_declined": self.stats.tasks_declined,
+            "results_refused": self.stats.results_refused,
+            "tokens": self.stats.tokens,
+            "price_usd_per_hour": self.cfg.price_usd_per_hour,
+            "uptime_s": round(time.time() - self._started, 1),
+            "updated": time.time(),
+        }
+        path = self.cfg.data_dir / "node.state.json"
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(state, indent=1))
+        os.replace(tmp, path)
+
+    # --- main ------------------------------------------------------------------------------------
+    async def run(self) -> int:
+        from echo2.node.engine import select_engine
+
+        if self.cfg.threads:
+            import torch
+
+            torch.set_num_threads(self.cfg.threads)
+        self._engine = select_engine(self.cfg.engine)
+        log.info("node %s starting (engine %s, hub %s)", self.peer_id, self._engine.name, self.hub_peer)
+        async with ControlHost(self.identity, listen_port=self.cfg.listen_port, listen_host=self.cfg.listen_host) as host:
+            decision = await self._admit(host)
+            if decision is None:
+                return 1
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(self._downlink)
+                nursery.start_soon(self._heartbeat, host)
+                nursery.start_soon(self._worker, host, nursery.cancel_scope)
+                nursery.start_soon(self._watch_signals)
+                await self._stop.wait()
+                await self._abandon_current(host)
+                nursery.cancel_scope.cancel()
+        self._write_state()
+        return 0
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    async def _watch_signals(self) -> None:
+        with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+            async for signum in signals:
+                log.info("received %s: stopping (the current task is handed back to the hub)", signal.Signals(signum).name)
+                self._stop.set()
+                return
+
+    async def _abandon_current(self, host: ControlHost) -> None:
+        task = self._current_task
+        if task is not None:
+            with trio.move_on_after(3):
+                await self._decline(host, task, "shutdown", "node is shutting down")
+
+    async def _admit(self, host: ControlHost) -> AdmissionDecision | None:
+        backoff = 0.5
+        while True:
+            try:
+                await host.connect(self.cfg.hub)
+                req = AdmissionRequest(peer_id=self.peer_id, join_token=self.cfg.join_token, announce=self._announce(host))
+                resp = await host.request(
+                    self.hub_peer, ADMISSION, envelope.seal(self.identity, req), max_response=MAX_CONTROL_REQUEST, timeout_s=30
+                )
+                v = envelope.open_envelope(resp, AdmissionDecision, replay=self.replay, allowed=self._hub_only)
+                d = v.message
+                self.stats.admitted, self.stats.admission_reason = d.admitted, d.reason
+                self._write_state()
+                if not d.admitted:
+                    log.error("hub refused admission: %s", d.reason)
+                    return None
+                self._hub_data_addr = d.hub_data_addr
+                log.info("admitted by hub %s (staleness %d, current version %d)", self.hub_peer, d.staleness, d.current_version)
+                return d
+            except (Echo2Error, OSError) as exc:
+                log.warning("cannot reach hub (%s); retrying in %.1fs", exc, backoff)
+                await trio.sleep(backoff * (0.75 + 0.5 * random.random()))
+                backoff = min(backoff * 2, 15.0)
+
+    # --- policy versions -------------------------------------------------------------------------
+    async def _downlink(self) -> None:
+        backoff = 0.5
+        while True:
+            try:
+                conn = await dataplane.connect(self._hub_data_addr, self.identity, self.hub_peer, timeout_s=15)
+                backoff = 0.5
+                async with conn:
+                    await self._receive_versions(conn)
+            except (Echo2Error, OSError) as exc:
+                log.warning("policy downlink lost (%s); reconnecting in %.1fs", exc, backoff)
+            await trio.sleep(backoff * (0.75 + 0.5 * random.random()))
+            backoff = min(backoff * 2, 15.0)
+
+    async def _receive_versions(self, conn: Any) -> None:
+        assembly: Assembly | None = None
+        t_manifest = 0.0
+        while True:
+            frame = await conn.receive()
+            if frame.type == dataplane.FrameType.MESSAGE:
+                try:
+                    v = envelope.open_envelope(bytes(frame.payload), Manifest, replay=None, allowed=self._hub_only)
+                    if self.held is not None and v.message.version <= self.held.version:
+                        assembly = None
+                        continue
+                    assembly = Assembly(v.message, self.held)
+                    t_manifest = time.monotonic()
+                except Echo2Error as exc:
+                    log.warning("refused manifest from hub: %s", exc)
+                    assembly = None
+            elif frame.type == dataplane.FrameType.CHUNK:
+                if assembly is None:
+                    continue
+                try:
+                    cf = unpack_chunk_frame(frame.payload)
+                    if cf.version != assembly.version:
+                        continue
+                    done = await trio.to_thread.run_sync(assembly.add, cf.index, cf.encoding, bytes(cf.data))
+                except Echo2Error as exc:
+                    log.warning("refused chunk of version %d: %s", assembly.version, exc)
+                    continue
+                if done:
+                    held = assembly.finish()
+                    assembly = None
+                    await self._load(held, time.monotonic() - t_manifest)
+
+    async def _load(self, held: HeldVersion, receive_s: float) -> None:
+        m = held.manifest
+        t0 = time.monotonic()
+        sd = await trio.to_thread.run_sync(packing.assemble, m, held.raw_chunks)
+        async with self._engine_lock:
+            await trio.to_thread.run_sync(self._engine.load_version, m.version, m.model_config, dict(m.artifacts), sd)
+        self.held = held
+        self.stats.versions_loaded.append(m.version)
+        self.version_changed.set()
+        self.version_changed = trio.Event()
+        seconds = receive_s + (time.monotonic() - t0)
+        log.info("holds version %d (%.2fs to receive and load)", m.version, seconds)
+        self._write_state()
+        self._pending_holds = HoldsVersion(peer_id=self.peer_id, version=m.version, seconds=seconds)
+
+    # --- control loops ---------------------------------------------------------------------------
+    async def _heartbeat(self, host: ControlHost) -> None:
+        last_announce = 0.0
+        while True:
+            holds = getattr(self, "_pending_holds", None)
+            if holds is not None:
+                try:
+                    await host.request(
+                        self.hub_peer, HOLDS, envelope.seal(self.identity, holds), max_response=MAX_CONTROL_REQUEST, timeout_s=10
+                    )
+                    self._pending_holds = None
+                except Echo2Error as exc:
+                    log.debug("holds report failed: %s", exc)
+            if time.monotonic() - last_announce > 30:
+                try:
+                    await host.publish(ANNOUNCE_TOPIC, envelope.seal(self.identity, self._announce(host), ttl_s=120))
+                    last_announce = time.monotonic()
+                except Echo2Error as exc:
+                    log.debug("announce failed: %s", exc)
+            await trio.sleep(0.2)
+
+    async def _worker(self, host: ControlHost, scope: trio.CancelScope) -> None:
+        backoff = 0.5
+        while True:
+            if self.held is None:
+                with trio.move_on_after(1.0):
+                    await self.version_changed.wait()
+                continue
+            self._seq += 1
+            hb = Heartbeat(
+                peer_id=self.peer_id, seq=self._seq, versions_held=[self.held.version], busy_tasks=0, queue_free=1
+            )
+            try:
+                resp = await host.request(
+                    self.hub_peer, WORK, envelope.seal(self.identity, hb), max_response=MAX_TASK, timeout_s=WORK_POLL_S + 15
+                )
+                v = envelope.open_envelope(resp, (Task, ErrorReply), replay=self.replay, allowed=self._hub_only)
+            except RemoteError as exc:
+                log.warning("hub refused work request: %s", exc)
+                await trio.sleep(backoff)
+                backoff = min(backoff * 2, 15.0)
+                continue
+            except (Echo2Error, OSError) as exc:
+                log.warning("work request failed (%s); retrying in %.1fs", exc, backoff)
+                await trio.sleep(backoff * (0.75 + 0.5 * random.random()))
+                backoff = min(backoff * 2, 15.0)
+                continue
+            backoff = 0.5
+            if isinstance(v.message, ErrorReply):
+                if v.message.code != "no_work":
+                    log.info("hub: %s", v.message.message)
+                    await trio.sleep(0.5)
+                continue
+            await self._run_task(host, v.message)
+            if self.cfg.max_tasks and self.stats.tasks_done >= self.cfg.max_tasks:
+                self._stop.set()
+                return
+
+    async def _decline(self, host: ControlHost, task: Task, code: str, reason: str) -> None:
+        self.stats.tasks_declined += 1
+        log.warning("declining task %s: %s", task.task_id, reason)
+        msg = TaskDecline(task_id=task.task_id, task_hash=task_hash(task), node_id=self.peer_id, reason_code=code, reason=reason)
+        try:
+            await host.request(self.hub_peer, DECLINE, envelope.seal(self.identity, msg), max_response=MAX_CONTROL_REQUEST, timeout_s=10)
+        except Echo2Error as exc:
+            log.debug("decline not delivered: %s", exc)
+
+    async def _run_task(self, host: ControlHost, task: Task) -> None:
+        if task.node_id != self.peer_id:
+            await self._decline(host, task, "not_mine", "task is assigned to another node")
+            return
+        if task.deadline < time.time():
+            await self._decline(host, task, "expired", "task deadline already passed")
+            return
+        held = self.held
+        if held is None or held.version < task.min_version:
+            have = held.version if held else -1
+            await self._decline(host, task, "version_not_held", f"task needs version >= {task.min_version}, node holds {have}")
+            return
+        started = time.time()
+        self._current_task = task
+        async with self._engine_lock:
+            version = self._engine.version
+            t0 = time.monotonic()
+            completions = await trio.to_thread.run_sync(
+                self._engine.generate,
+                [list(p) for p in task.prompts],
+                task.group_size,
+                task.max_new_tokens,
+                task.temperature,
+                task.top_p,
+                task.seed,
+            )
+            gen_s = time.monotonic() - t0
+        self._current_task = None
+        tokens = sum(len(c.token_ids) for c in completions)
+        result = Result(
+            task_id=task.task_id,
+            task_hash=task_hash(task),
+            node_id=self.peer_id,
+            version=version,
+            completions=completions,
+            started_at=started,
+            gen_seconds=gen_s,
+            tokens=tokens,
+        )
+        try:
+            await host.request(self.hub_peer, RESULT, envelope.seal(self.identity, result, ttl_s=600), max_response=MAX_CONTROL_REQUEST, timeout_s=30)
+            self.stats.tasks_done += 1
+            self.stats.tokens += tokens
+        except RemoteError as exc:
+            self.stats.results_refused += 1
+            log.warning("hub refused result of task %s: %s", task.task_id, exc)
+        except (Echo2Error, OSError) as exc:
+            log.warning("result of task %s not delivered: %s", task.task_id, exc)
+        self._write_state()
+
+
+def run_node(cfg: NodeConfig) -> int:
+    node = Node(cfg)
+
+    async def main() -> int:
+        return await node.run()
+
+    try:
+        return trio.run(main)
+    except KeyboardInterrupt:
+        log.info("stopped")
+        node._write_state()
+        return 0
+    except TransportError as exc:
+        log.error("%s", exc)
+        return 1

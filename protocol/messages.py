@@ -1,0 +1,680 @@
+"""Message schemas: frozen dataclasses with a strict wire form.
+
+Every message field has a :class:`Spec` that checks one wire value (type, range, length, nested
+records) and converts a Python value to its wire form. ``from_wire`` is the only way network
+input becomes a message, and it refuses anything unexpected with a :class:`SchemaError` naming the
+field path (``Result.completions[3].logprobs[7]: ...``), so callers can log and reply precisely.
+
+``to_wire`` does not validate (the hot path for trusted local data); :meth:`Record.validate`
+runs the same checks and :func:`echo2.protocol.envelope.seal` calls it before signing.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Any, ClassVar, Self
+
+from . import canonical
+from .errors import Echo2Error, SchemaError
+from .hashing import digest
+from .identity import public_key_from_peer_id
+
+KiB = 1024
+MiB = 1024 * KiB
+
+INT64_MAX = 2**63 - 1
+INT64_MIN = -(2**63)
+PEER_ID_MAX_LEN = 64
+HASH_SIZE = 32
+TOKEN_ID_MAX = 2**31 - 1
+
+MAX_PROMPTS = 256
+MAX_PROMPT_TOKENS = 4096
+MAX_GROUP_SIZE = 64
+MAX_NEW_TOKENS = 8192
+MAX_COMPLETIONS = MAX_PROMPTS * MAX_GROUP_SIZE
+MAX_VERSIONS_LISTED = 16
+MAX_TENSORS = 100_000
+MAX_CHUNKS = 1_000_000
+MAX_ARTIFACTS = 16
+MAX_ARTIFACT_BYTES = 8 * MiB
+MAX_PLAN_PEERS = 65_536
+MAX_REQUEST_INDICES = 100_000
+DTYPES = frozenset(
+    {"float32", "float16", "bfloat16", "float64", "int64", "int32", "int16", "int8", "uint8", "bool"}
+)
+
+
+# --------------------------------------------------------------------------------------------
+# Field specs
+# --------------------------------------------------------------------------------------------
+
+
+def _fail(path: str, what: str) -> SchemaError:
+    return SchemaError(f"{path}: {what}")
+
+
+def _tname(v: Any) -> str:
+    return type(v).__name__
+
+
+class Spec:
+    """Checks one wire value and converts one Python value to wire form."""
+
+    def check(self, v: Any, path: str) -> Any:
+        """The Python value for wire value ``v``; SchemaError naming ``path`` if invalid."""
+        raise NotImplementedError
+
+    def wire(self, v: Any) -> Any:
+        """The wire form of Python value ``v`` (no validation)."""
+        return v
+
+
+class Int(Spec):
+    def __init__(self, lo: int = 0, hi: int = INT64_MAX) -> None:
+        self.lo, self.hi = lo, hi
+
+    def check(self, v: Any, path: str) -> int:
+        if type(v) is not int:  # bool is an int subclass and is refused on purpose
+            raise _fail(path, f"expected int, got {_tname(v)}")
+        if v < self.lo or v > self.hi:
+            raise _fail(path, f"{v} out of range [{self.lo}, {self.hi}]")
+        return v
+
+    def all_ok(self, vs: list[Any]) -> bool:
+        lo, hi = self.lo, self.hi
+        return all(type(x) is int and lo <= x <= hi for x in vs)
+
+
+class Float(Spec):
+    """A finite float64 in [lo, hi] (or (lo, hi] with ``lo_open``)."""
+
+    def __init__(self, lo: float = -math.inf, hi: float = math.inf, *, lo_open: bool = False) -> None:
+        self.lo, self.hi, self.lo_open = lo, hi, lo_open
+
+    def check(self, v: Any, path: str) -> float:
+        # Ints are refused: the canonical form of a float field is float64, and accepting both
+        # would give one message two encodings (and two task hashes).
+        if type(v) is not float:
+            raise _fail(path, f"expected float, got {_tname(v)}")
+        if not math.isfinite(v):
+            raise _fail(path, f"non-finite float {v!r}")
+        if v < self.lo or v > self.hi or (self.lo_open and v == self.lo):
+            lb = "(" if self.lo_open else "["
+            raise _fail(path, f"{v!r} out of range {lb}{self.lo}, {self.hi}]")
+        return v
+
+    def wire(self, v: Any) -> Any:
+        return float(v) if type(v) is int else v
+
+    def all_ok(self, vs: list[Any]) -> bool:
+        lo, hi, lo_open = self.lo, self.hi, self.lo_open
+        return all(
+            type(x) is float and math.isfinite(x) and lo <= x <= hi and not (lo_open and x == lo) for x in vs
+        )
+
+
+class Bool(Spec):
+    def check(self, v: Any, path: str) -> bool:
+        if type(v) is not bool:
+            raise _fail(path, f"expected bool, got {_tname(v)}")
+        return v
+
+
+class Str(Spec):
+    def __init__(self, max_len: int = 256, *, choices: Iterable[str] | None = None) -> None:
+        self.max_len = max_len
+        self.choices = frozenset(choices) if choices is not None else None
+
+    def check(self, v: Any, path: str) -> str:
+        if type(v) is not str:
+            raise _fail(path, f"expected str, got {_tname(v)}")
+        if len(v) > self.max_len:
+            raise _fail(path, f"string of {len(v)} chars exceeds {self.max_len}")
+        if self.choices is not None and v not in self.choices:
+            raise _fail(path, f"{v[:40]!r} is not one of {sorted(self.choices)}")
+        return v
+
+
+class PeerId(Spec):
+    """A libp2p peer ID of an Ed25519 key (base58, <= 64 chars, embeds the public key)."""
+
+    def check(self, v: Any, path: str) -> str:
+        if type(v) is not str:
+            raise _fail(path, f"expected peer ID str, got {_tname(v)}")
+        if len(v) > PEER_ID_MAX_LEN:
+            raise _fail(path, f"peer ID of {len(v)} chars exceeds {PEER_ID_MAX_LEN}")
+        try:
+            public_key_from_peer_id(v)
+        except Echo2Error as exc:
+            raise _fail(path, f"invalid peer ID {v[:64]!r}: {exc.message}") from exc
+        except Exception as exc:  # a base58 oddity must still surface as a schema refusal
+            raise _fail(path, f"invalid peer ID {v[:64]!r}") from exc
+        return v
+
+
+class Bytes(Spec):
+    def __init__(self, *, size: int | None = None, max_len: int | None = None) -> None:
+        self.size, self.max_len = size, max_len
+
+    def check(self, v: Any, path: str) -> bytes:
+        if type(v) is not bytes:
+            raise _fail(path, f"expected bytes, got {_tname(v)}")
+        if self.size is not None and len(v) != self.size:
+            raise _fail(path, f"expected exactly {self.size} bytes, got {len(v)}")
+        if self.max_len is not None and len(v) > self.max_len:
+            raise _fail(path, f"{len(v)} bytes exceeds {self.max_len}")
+        return v
+
+    def wire(self, v: Any) -> Any:
+        return bytes(v) if isinstance(v, (bytearray, memoryview)) else v
+
+
+class Nullable(Spec):
+    def __init__(self, inner: Spec) -> None:
+        self.inner = inner
+
+    def check(self, v: Any, path: str) -> Any:
+        return None if v is None else self.inner.check(v, path)
+
+    def wire(self, v: Any) -> Any:
+        return None if v is None else self.inner.wire(v)
+
+
+class List(Spec):
+    def __init__(self, item: Spec, max_len: int, *, min_len: int = 0) -> None:
+        self.item, self.max_len, self.min_len = item, max_len, min_len
+
+    def check(self, v: Any, path: str) -> list[Any]:
+        if type(v) is not list:
+            raise _fail(path, f"expected list, got {_tname(v)}")
+        if len(v) > self.max_len:
+            raise _fail(path, f"list of {len(v)} items exceeds {self.max_len}")
+        if len(v) < self.min_len:
+            raise _fail(path, f"list of {len(v)} items is shorter than {self.min_len}")
+        item = self.item
+        # Fast path for long scalar lists (token ids, logprobs): one generator, no per-item calls.
+        all_ok: Callable[[list[Any]], bool] | None = getattr(item, "all_ok", None)
+        if all_ok is not None and all_ok(v):
+            return list(v)
+        return [item.check(x, f"{path}[{i}]") for i, x in enumerate(v)]
+
+    def wire(self, v: Any) -> Any:
+        item = self.item
+        if type(item) in (Int, Str, Bool, PeerId):
+            return list(v)
+        return [item.wire(x) for x in v]
+
+
+class Dict(Spec):
+    def __init__(self, key: Spec, value: Spec, max_len: int) -> None:
+        self.key, self.value, self.max_len = key, value, max_len
+
+    def check(self, v: Any, path: str) -> dict[Any, Any]:
+        if type(v) is not dict:
+            raise _fail(path, f"expected map, got {_tname(v)}")
+        if len(v) > self.max_len:
+            raise _fail(path, f"map of {len(v)} entries exceeds {self.max_len}")
+        out: dict[Any, Any] = {}
+        for k, x in v.items():
+            kk = self.key.check(k, f"{path} key")
+            out[kk] = self.value.check(x, f"{path}[{str(k)[:64]!r}]")
+        return out
+
+    def wire(self, v: Any) -> Any:
+        return {self.key.wire(k): self.value.wire(x) for k, x in v.items()}
+
+
+class Nested(Spec):
+    def __init__(self, cls: type[Record]) -> None:
+        self.cls = cls
+
+    def check(self, v: Any, path: str) -> Record:
+        return self.cls._from_wire_at(v, path)
+
+    def wire(self, v: Any) -> Any:
+        if isinstance(v, dict):  # already in wire form
+            return v
+        return v.to_wire()
+
+
+# --------------------------------------------------------------------------------------------
+# Records and messages
+# --------------------------------------------------------------------------------------------
+
+
+class Record:
+    """A schema-checked frozen dataclass. Subclasses define ``SPEC`` (field name -> Spec)."""
+
+    SPEC: ClassVar[dict[str, Spec]] = {}
+
+    def to_wire(self) -> dict[str, Any]:
+        return {name: spec.wire(getattr(self, name)) for name, spec in self.SPEC.items()}
+
+    @classmethod
+    def from_wire(cls, d: Any) -> Self:
+        """Strictly build from wire form; SchemaError on anything unexpected."""
+        return cls._from_wire_at(d, cls.__name__)
+
+    @classmethod
+    def _from_wire_at(cls, d: Any, path: str) -> Self:
+        if type(d) is not dict:
+            raise _fail(path, f"expected map, got {_tname(d)}")
+        spec = cls.SPEC
+        if len(d) != len(spec) or any(k not in spec for k in d):
+            unknown = sorted(str(k)[:64] for k in d if k not in spec)
+            if unknown:
+                raise _fail(path, f"unknown field(s) {unknown}")
+            missing = sorted(k for k in spec if k not in d)
+            raise _fail(path, f"missing field(s) {missing}")
+        kwargs = {name: s.check(d[name], f"{path}.{name}") for name, s in spec.items()}
+        obj = cls(**kwargs)
+        obj._check_fields(path)
+        return obj
+
+    def _check_fields(self, path: str) -> None:
+        """Cross-field rules; override where one field constrains another."""
+
+    def validate(self) -> Self:
+        """Check this instance as a receiver would; returns the normalized copy."""
+        return type(self).from_wire(self.to_wire())
+
+
+class Message(Record):
+    """A top-level message that travels in a signed envelope."""
+
+    TYPE: ClassVar[str] = ""
+    DOMAIN: ClassVar[str] = ""
+    PROTOCOL_ID: ClassVar[str] = ""
+    MAX_SIZE: ClassVar[int] = 0
+    VERSION: ClassVar[str] = "1.0.0"
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if cls.TYPE:
+            cls.DOMAIN = f"echo2/{cls.TYPE}/{cls.VERSION}"
+            cls.PROTOCOL_ID = f"/echo2/{cls.TYPE}/{cls.VERSION}"
+
+
+_HASH = Bytes(size=HASH_SIZE)
+_U64 = Int(0, INT64_MAX)
+_NONNEG_F = Float(0.0)
+_ANY_F = Float()
+_VERSION = Int(0, INT64_MAX)
+_PEER = PeerId()
+
+
+@dataclass(frozen=True)
+class Announce(Message):
+    TYPE: ClassVar[str] = "announce"
+    MAX_SIZE: ClassVar[int] = 64 * KiB
+    SPEC: ClassVar[dict[str, Spec]] = {
+        "peer_id": _PEER,
+        "software_version": Str(64),
+        "accelerator": Str(128),
+        "accelerator_count": _U64,
+        "accelerator_memory_bytes": _U64,
+        "cpu_model": Str(256),
+        "cpu_cores": Int(1, INT64_MAX),
+        "ram_bytes": _U64,
+        "free_disk_bytes": _U64,
+        "engine": Str(64),
+        "engine_version": Str(64),
+        "tokens_per_s": _NONNEG_F,
+        "rollouts_per_s": _NONNEG_F,
+        "upload_MBps": _NONNEG_F,
+        "download_MBps": _NONNEG_F,
+        "price_usd_per_hour": _NONNEG_F,
+        "listen_addrs": List(Str(256), 16),
+        "data_addr": Str(256),
+        "reachable": Bool(),
+        "versions_held": List(_VERSION, MAX_VERSIONS_LISTED),
+        "max_upload_MBps": _NONNEG_F,
+    }
+    peer_id: str
+    software_version: str
+    accelerator: str
+    accelerator_count: int
+    accelerator_memory_bytes: int
+    cpu_model: str
+    cpu_cores: int
+    ram_bytes: int
+    free_disk_bytes: int
+    engine: str
+    engine_version: str
+    tokens_per_s: float
+    rollouts_per_s: float
+    upload_MBps: float
+    download_MBps: float
+    price_usd_per_hour: float
+    listen_addrs: list[str]
+    data_addr: str
+    reachable: bool
+    versions_held: list[int]
+    max_upload_MBps: float
+
+
+@dataclass(frozen=True)
+class Heartbeat(Message):
+    TYPE: ClassVar[str] = "heartbeat"
+    MAX_SIZE: ClassVar[int] = 4 * KiB
+    SPEC: ClassVar[dict[str, Spec]] = {
+        "peer_id": _PEER,
+        "seq": _U64,
+        "versions_held": List(_VERSION, MAX_VERSIONS_LISTED),
+        "busy_tasks": _U64,
+        "queue_free": _U64,
+    }
+    peer_id: str
+    seq: int
+    versions_held: list[int]
+    busy_tasks: int
+    queue_free: int
+
+
+@dataclass(frozen=True)
+class AdmissionRequest(Message):
+    TYPE: ClassVar[str] = "admission_request"
+    MAX_SIZE: ClassVar[int] = 72 * KiB
+    SPEC: ClassVar[dict[str, Spec]] = {
+        "peer_id": _PEER,
+        "join_token": Str(512),
+        "announce": Nested(Announce),
+    }
+    peer_id: str
+    join_token: str
+    announce: Announce
+
+
+@dataclass(frozen=True)
+class AdmissionDecision(Message):
+    TYPE: ClassVar[str] = "admission_decision"
+    MAX_SIZE: ClassVar[int] = 8 * KiB
+    SPEC: ClassVar[dict[str, Spec]] = {
+        "peer_id": _PEER,
+        "admitted": Bool(),
+        "reason": Str(512),
+        "hub_data_addr": Str(256),
+        "current_version": Int(-1, INT64_MAX),
+        "staleness": _U64,
+    }
+    peer_id: str
+    admitted: bool
+    reason: str
+    hub_data_addr: str
+    current_version: int
+    staleness: int
+
+
+@dataclass(frozen=True)
+class Task(Message):
+    TYPE: ClassVar[str] = "task"
+    # 256 prompts x 4096 ids x at most 5 bytes each is 5 MiB; the rest is small.
+    MAX_SIZE: ClassVar[int] = 6 * MiB
+    SPEC: ClassVar[dict[str, Spec]] = {
+        "task_id": Str(64),
+        "node_id": _PEER,
+        "prompts": List(List(Int(0, TOKEN_ID_MAX), MAX_PROMPT_TOKENS), MAX_PROMPTS),
+        "group_size": Int(1, MAX_GROUP_SIZE),
+        "max_new_tokens": Int(1, MAX_NEW_TOKENS),
+        "temperature": Float(0.0, 10.0),
+        "top_p": Float(0.0, 1.0, lo_open=True),
+        "seed": Int(0, INT64_MAX),
+        "min_version": _VERSION,
+        "max_version_lag": _U64,
+        "deadline": _ANY_F,
+    }
+    task_id: str
+    node_id: str
+    prompts: list[list[int]]
+    group_size: int
+    max_new_tokens: int
+    temperature: float
+    top_p: float
+    seed: int
+    min_version: int
+    max_version_lag: int
+    deadline: float
+
+
+@dataclass(frozen=True)
+class Completion(Record):
+    SPEC: ClassVar[dict[str, Spec]] = {
+        "prompt_index": _U64,
+        "token_ids": List(Int(0, TOKEN_ID_MAX), MAX_NEW_TOKENS),
+        "logprobs": List(Float(-math.inf, 0.0), MAX_NEW_TOKENS),
+        "finish_reason": Str(16, choices=("stop", "length")),
+    }
+    prompt_index: int
+    token_ids: list[int]
+    logprobs: list[float]
+    finish_reason: str
+
+    def _check_fields(self, path: str) -> None:
+        if len(self.logprobs) != len(self.token_ids):
+            raise _fail(
+                path, f"{len(self.logprobs)} logprobs for {len(self.token_ids)} token_ids (must match)"
+            )
+
+
+@dataclass(frozen=True)
+class Result(Message):
+    TYPE: ClassVar[str] = "result"
+    MAX_SIZE: ClassVar[int] = 64 * MiB
+    SPEC: ClassVar[dict[str, Spec]] = {
+        "task_id": Str(64),
+        "task_hash": _HASH,
+        "node_id": _PEER,
+        "version": _VERSION,
+        "completions": List(Nested(Completion), MAX_COMPLETIONS),
+        "started_at": _ANY_F,
+        "gen_seconds": _NONNEG_F,
+        "tokens": _U64,
+    }
+    task_id: str
+    task_hash: bytes
+    node_id: str
+    version: int
+    completions: list[Completion]
+    started_at: float
+    gen_seconds: float
+    tokens: int
+
+
+@dataclass(frozen=True)
+class TaskDecline(Message):
+    TYPE: ClassVar[str] = "task_decline"
+    MAX_SIZE: ClassVar[int] = 8 * KiB
+    SPEC: ClassVar[dict[str, Spec]] = {
+        "task_id": Str(64),
+        "task_hash": _HASH,
+        "node_id": _PEER,
+        "reason_code": Str(64),
+        "reason": Str(512),
+    }
+    task_id: str
+    task_hash: bytes
+    node_id: str
+    reason_code: str
+    reason: str
+
+
+@dataclass(frozen=True)
+class ManifestChunk(Record):
+    SPEC: ClassVar[dict[str, Spec]] = {
+        "index": _U64,
+        "offset": _U64,
+        "raw_size": Int(1, INT64_MAX),
+        "raw_hash": _HASH,
+        "encoding": Str(8, choices=("full", "delta")),
+        "enc_size": Int(1, INT64_MAX),
+        "enc_hash": _HASH,
+        "parent_raw_hash": Nullable(_HASH),
+    }
+    index: int
+    offset: int
+    raw_size: int
+    raw_hash: bytes
+    encoding: str
+    enc_size: int
+    enc_hash: bytes
+    parent_raw_hash: bytes | None
+
+    def _check_fields(self, path: str) -> None:
+        if (self.encoding == "delta") != (self.parent_raw_hash is not None):
+            raise _fail(path, "parent_raw_hash is required iff encoding == 'delta'")
+
+
+@dataclass(frozen=True)
+class TensorEntry(Record):
+    SPEC: ClassVar[dict[str, Spec]] = {
+        "name": Str(256),
+        "dtype": Str(16, choices=DTYPES),
+        "shape": List(_U64, 8),
+        "offset": _U64,
+        "nbytes": _U64,
+    }
+    name: str
+    dtype: str
+    shape: list[int]
+    offset: int
+    nbytes: int
+
+
+@dataclass(frozen=True)
+class Manifest(Message):
+    TYPE: ClassVar[str] = "manifest"
+    MAX_SIZE: ClassVar[int] = 64 * MiB
+    SPEC: ClassVar[dict[str, Spec]] = {
+        "version": _VERSION,
+        "parent": Nullable(_VERSION),
+        "created": _ANY_F,
+        "chunk_size": Int(1, INT64_MAX),
+        "total_bytes": _U64,
+        "tensors": List(Nested(TensorEntry), MAX_TENSORS),
+        "chunks": List(Nested(ManifestChunk), MAX_CHUNKS),
+        "model_config": Str(1 * MiB),
+        "artifacts": Dict(Str(128), Bytes(max_len=MAX_ARTIFACT_BYTES), MAX_ARTIFACTS),
+        "bf16_split": Bool(),
+    }
+    version: int
+    parent: int | None
+    created: float
+    chunk_size: int
+    total_bytes: int
+    tensors: list[TensorEntry]
+    chunks: list[ManifestChunk]
+    model_config: str
+    artifacts: dict[str, bytes]
+    bf16_split: bool
+
+
+@dataclass(frozen=True)
+class BroadcastPlan(Message):
+    TYPE: ClassVar[str] = "broadcast_plan"
+    MAX_SIZE: ClassVar[int] = 16 * MiB
+    SPEC: ClassVar[dict[str, Spec]] = {
+        "version": _VERSION,
+        "parent_of": Dict(_PEER, _PEER, MAX_PLAN_PEERS),
+        "children": Dict(_PEER, List(_PEER, MAX_PLAN_PEERS), MAX_PLAN_PEERS),
+        "data_addrs": Dict(_PEER, Str(256), MAX_PLAN_PEERS),
+        "created": _ANY_F,
+    }
+    version: int
+    parent_of: dict[str, str]
+    children: dict[str, list[str]]
+    data_addrs: dict[str, str]
+    created: float
+
+
+@dataclass(frozen=True)
+class ChunkHave(Message):
+    TYPE: ClassVar[str] = "chunk_have"
+    MAX_SIZE: ClassVar[int] = 128 * KiB + 4 * KiB
+    SPEC: ClassVar[dict[str, Spec]] = {
+        "peer_id": _PEER,
+        "version": _VERSION,
+        "have": Bytes(max_len=(MAX_CHUNKS + 7) // 8),
+    }
+    peer_id: str
+    version: int
+    have: bytes
+
+
+@dataclass(frozen=True)
+class ChunkRequest(Message):
+    TYPE: ClassVar[str] = "chunk_request"
+    MAX_SIZE: ClassVar[int] = 1 * MiB
+    SPEC: ClassVar[dict[str, Spec]] = {
+        "version": _VERSION,
+        "indices": List(Int(0, MAX_CHUNKS - 1), MAX_REQUEST_INDICES),
+    }
+    version: int
+    indices: list[int]
+
+
+@dataclass(frozen=True)
+class HoldsVersion(Message):
+    TYPE: ClassVar[str] = "holds_version"
+    MAX_SIZE: ClassVar[int] = 4 * KiB
+    SPEC: ClassVar[dict[str, Spec]] = {
+        "peer_id": _PEER,
+        "version": _VERSION,
+        "seconds": _NONNEG_F,
+    }
+    peer_id: str
+    version: int
+    seconds: float
+
+
+@dataclass(frozen=True)
+class ErrorReply(Message):
+    TYPE: ClassVar[str] = "error"
+    MAX_SIZE: ClassVar[int] = 8 * KiB
+    SPEC: ClassVar[dict[str, Spec]] = {
+        "code": Str(64),
+        "message": Str(1024),
+    }
+    code: str
+    message: str
+
+
+MESSAGE_TYPES: dict[str, type[Message]] = {
+    cls.TYPE: cls
+    for cls in (
+        Announce,
+        Heartbeat,
+        AdmissionRequest,
+        AdmissionDecision,
+        Task,
+        Result,
+        TaskDecline,
+        Manifest,
+        BroadcastPlan,
+        ChunkHave,
+        ChunkRequest,
+        HoldsVersion,
+        ErrorReply,
+    )
+}
+MESSAGE_TYPES_BY_DOMAIN: dict[str, type[Message]] = {c.DOMAIN: c for c in MESSAGE_TYPES.values()}
+RECORD_TYPES: tuple[type[Record], ...] = (*MESSAGE_TYPES.values(), Completion, ManifestChunk, TensorEntry)
+
+
+def _check_specs() -> None:
+    # A spec/field mismatch is a programming error; fail at import, not on the first message.
+    for cls in RECORD_TYPES:
+        names = [f.name for f in dataclasses.fields(cls)]  # type: ignore[arg-type]
+        if names != list(cls.SPEC):
+            raise RuntimeError(f"{cls.__name__}: SPEC keys {list(cls.SPEC)} != fields {names}")
+
+
+_check_specs()
+
+
+def task_hash(task: Task) -> bytes:
+    """blake3 of the canonical encoding of ``task``: what a Result is bound to."""
+    return digest(canonical.encode(task.to_wire()))

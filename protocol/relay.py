@@ -1,0 +1,356 @@
+"""Node-side relay rules for one policy version, as a pure state machine (events in, actions out).
+
+The caller (the node's data plane, or the simulator) feeds events -- a chunk verified, a chunk
+that failed verification, a peer's ChunkHave bitmap, a child's acknowledgement, a request from a
+peer, a clock tick -- and carries out the returned actions: :class:`Send` a chunk to a peer,
+:class:`Request` chunks from a peer (or the hub), :class:`Report` evidence of a corrupt chunk to the
+hub, :class:`Complete` (this node now holds every chunk verified; emitted once).
+
+Rules:
+- cut-through: chunk ``i`` is queued for each child of stripe ``i % S`` the moment it is verified
+  (never before: a relay forwards only verified bytes), in verification order; at most ``window``
+  chunks are outstanding per child so that a slow child does not pile data into the transport;
+- a child that advertised a chunk (ChunkHave) or acknowledged it is never sent it (again);
+- a stripe whose parent has made no progress for ``stall_timeout_s`` while chunks of that stripe
+  are missing is pulled: each missing chunk is requested from a peer that advertised it (the one
+  advertising most of them, to keep requests few), else from the hub; a request that is not
+  answered within ``request_timeout_s`` is retried from another source;
+- a corrupt chunk from a peer: the chunk is dropped (the caller never stores it), evidence
+  ``{peer, index, expected hash, got hash}`` is reported, the peer is never asked again, and if
+  it is a parent, its stripes are pulled from other sources right away (route around it).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import deque
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+log = logging.getLogger(__name__)
+
+
+class PlanView(Protocol):
+    """What the relay needs from a broadcast plan (``echo2.learner_hub.planner.Plan`` fits)."""
+
+    hub: str
+    stripes: int
+    parent: list[dict[str, str]]
+    children: list[dict[str, list[str]]]
+
+
+@dataclass(frozen=True, slots=True)
+class Send:
+    peer: str
+    index: int
+
+
+@dataclass(frozen=True, slots=True)
+class Request:
+    peer: str
+    indices: tuple[int, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class Evidence:
+    peer: str
+    index: int
+    expected_hash: bytes
+    got_hash: bytes
+
+
+@dataclass(frozen=True, slots=True)
+class Report:
+    evidence: Evidence
+
+
+@dataclass(frozen=True, slots=True)
+class Complete:
+    pass
+
+
+Action = Send | Request | Report | Complete
+
+
+def bitmap_from_indices(indices: Iterable[int], n_chunks: int) -> bytes:
+    """ChunkHave bitmap: bit ``i`` is bit ``7 - i % 8`` of byte ``i // 8`` (as in BitTorrent)."""
+    buf = bytearray((n_chunks + 7) // 8)
+    for i in indices:
+        if 0 <= i < n_chunks:
+            buf[i >> 3] |= 0x80 >> (i & 7)
+    return bytes(buf)
+
+
+def indices_from_bitmap(bitmap: bytes, n_chunks: int) -> set[int]:
+    """Inverse of :func:`bitmap_from_indices`; bits past ``n_chunks`` (hostile input) are ignored."""
+    out: set[int] = set()
+    for byte_i, byte in enumerate(bitmap[: (n_chunks + 7) // 8]):
+        if not byte:
+            continue
+        for bit in range(8):
+            if byte & (0x80 >> bit):
+                i = byte_i * 8 + bit
+                if i < n_chunks:
+                    out.add(i)
+    return out
+
+
+class Relay:
+    """Relay state of node ``me`` for one version with ``len(chunk_hashes)`` chunks.
+
+    ``chunk_hashes`` are the manifest's hashes of what travels (encoded hashes); they only go into
+    evidence reports. ``have`` are chunks already held verified (resume, or the hub itself).
+    """
+
+    def __init__(
+        self,
+        me: str,
+        plan: PlanView,
+        chunk_hashes: Sequence[bytes],
+        *,
+        have: Iterable[int] = (),
+        now: float = 0.0,
+        stall_timeout_s: float = 5.0,
+        request_timeout_s: float = 10.0,
+        window: int = 2,
+    ) -> None:
+        if window < 1:
+            raise ValueError("window must be >= 1")
+        self.me = me
+        self.n = len(chunk_hashes)
+        self.hashes = list(chunk_hashes)
+        self.stall_timeout_s = stall_timeout_s
+        self.request_timeout_s = request_timeout_s
+        self.window = window
+        self.have: set[int] = {i for i in have if 0 <= i < self.n}
+        self.complete_sent = False
+        self.bad_peers: set[str] = set()
+        self.peer_have: dict[str, set[int]] = {}
+        self._queue: dict[str, deque[int]] = {}
+        self._inflight: dict[str, set[int]] = {}
+        self._done: dict[str, set[int]] = {}  # per child: acknowledged or advertised
+        self._requested: dict[int, tuple[str, float]] = {}  # chunk -> (source, deadline)
+        self._tried: dict[int, set[str]] = {}
+        self._pending_serve: dict[int, list[str]] = {}  # chunk -> peers that asked before we had it
+        self._now = now
+        self._set_plan(plan, now)
+
+    # -- plan ---------------------------------------------------------------------------------
+    def _set_plan(self, plan: PlanView, now: float) -> None:
+        self.hub = plan.hub
+        self.stripes = plan.stripes
+        self.parents: list[str | None] = [p.get(self.me) for p in plan.parent]
+        self.child_stripes: dict[str, set[int]] = {}
+        for s, ch in enumerate(plan.children):
+            for c in ch.get(self.me, ()):
+                self.child_stripes.setdefault(c, set()).add(s)
+        self._stripe_children: list[list[str]] = [list(ch.get(self.me, ())) for ch in plan.children]
+        self.last_progress: list[float] = [now] * self.stripes
+        for c in self.child_stripes:
+            self._queue.setdefault(c, deque())
+            self._inflight.setdefault(c, set())
+            self._done.setdefault(c, set(self.peer_have.get(c, ())))
+
+    def on_plan(self, plan: PlanView, *, now: float) -> list[Action]:
+        """A repaired plan: new children get every held chunk of their stripes, in order."""
+        old = set(self.child_stripes)
+        self._now = now
+        self._set_plan(plan, now)
+        actions: list[Action] = []
+        for c, stripes in self.child_stripes.items():
+            q = self._queue[c]
+            queued = set(q) | self._inflight[c] | self._done[c]
+            for i in sorted(self.have):
+                if i % self.stripes in stripes and i not in queued:
+                    q.append(i)
+            if c not in old or q:
+                self._pump(c, actions)
+        for c in old - set(self.child_stripes):
+            self._queue[c].clear()  # no longer ours to feed
+        return actions
+
+    # -- helpers ------------------------------------------------------------------------------
+    def _pump(self, peer: str, actions: list[Action]) -> None:
+        q, inflight, done = self._queue[peer], self._inflight[peer], self._done[peer]
+        while q and len(inflight) < self.window:
+            i = q.popleft()
+            if i in done or i in inflight:
+                continue
+            inflight.add(i)
+            actions.append(Send(peer, i))
+
+    def _serve(self, peer: str, i: int, actions: list[Action]) -> None:
+        if peer not in self._queue:
+            self._queue[peer] = deque()
+            self._inflight[peer] = set()
+            self._done[peer] = set(self.peer_have.get(peer, ()))
+        if i not in self._done[peer] and i not in self._inflight[peer]:
+            self._queue[peer].append(i)
+            self._pump(peer, actions)
+
+    def missing(self) -> list[int]:
+        return [i for i in range(self.n) if i not in self.have]
+
+    # -- events -------------------------------------------------------------------------------
+    def start(self, *, now: float | None = None) -> list[Action]:
+        """Initial actions: forward what is already held; Complete if nothing is missing."""
+        if now is not None:
+            self._now = now
+        actions: list[Action] = []
+        for c, stripes in self.child_stripes.items():
+            for i in sorted(self.have):
+                if i % self.stripes in stripes:
+                    self._queue[c].append(i)
+            self._pump(c, actions)
+        self._check_complete(actions)
+        return actions
+
+    def _check_complete(self, actions: list[Action]) -> None:
+        if not self.complete_sent and len(self.have) == self.n:
+            self.complete_sent = True
+            actions.append(Complete())
+
+    def on_chunk_verified(self, i: int, *, now: float | None = None) -> list[Action]:
+        """Chunk ``i`` arrived and matched the manifest: store is the caller's; forward it now."""
+        if now is not None:
+            self._now = now
+        if not 0 <= i < self.n or i in self.have:
+            return []
+        self.have.add(i)
+        s = i % self.stripes
+        self.last_progress[s] = self._now
+        self._requested.pop(i, None)
+        self._tried.pop(i, None)
+        actions: list[Action] = []
+        for c in self._stripe_children[s]:
+            if i not in self._done[c]:
+                self._queue[c].append(i)
+                self._pump(c, actions)
+        for peer in self._pending_serve.pop(i, ()):
+            self._serve(peer, i, actions)
+        self._check_complete(actions)
+        return actions
+
+    def on_child_ack(self, child: str, i: int, *, now: float | None = None) -> list[Action]:
+        """``child`` holds chunk ``i`` (or the transfer ended): free its window slot."""
+        if now is not None:
+            self._now = now
+        if child not in self._inflight:
+            return []
+        self._inflight[child].discard(i)
+        self._done[child].add(i)
+        actions: list[Action] = []
+        self._pump(child, actions)
+        return actions
+
+    def on_send_failed(self, child: str, i: int, *, now: float | None = None) -> list[Action]:
+        """The transfer of ``i`` to ``child`` broke off: free the slot; the child will pull."""
+        if now is not None:
+            self._now = now
+        if child in self._inflight:
+            self._inflight[child].discard(i)
+            actions: list[Action] = []
+            self._pump(child, actions)
+            return actions
+        return []
+
+    def on_have(self, peer: str, bitmap: bytes, *, now: float | None = None) -> list[Action]:
+        """A peer's ChunkHave: remember who can serve what; never send a child what it holds."""
+        if now is not None:
+            self._now = now
+        got = indices_from_bitmap(bitmap, self.n)
+        self.peer_have[peer] = got
+        if peer in self._done:
+            self._done[peer] |= got
+        return []
+
+    def on_request(self, peer: str, indices: Iterable[int], *, now: float | None = None) -> list[Action]:
+        """A peer pulls chunks from us: send those we hold, the others once we hold them."""
+        if now is not None:
+            self._now = now
+        actions: list[Action] = []
+        for i in indices:
+            if not 0 <= i < self.n:
+                continue
+            if i in self.have:
+                self._serve(peer, i, actions)
+            else:
+                waiting = self._pending_serve.setdefault(i, [])
+                if peer not in waiting and len(waiting) < 64:
+                    waiting.append(peer)
+        return actions
+
+    def on_chunk_corrupt(
+        self, i: int, from_peer: str, got_hash: bytes, *, now: float | None = None
+    ) -> list[Action]:
+        """Chunk ``i`` from ``from_peer`` did not match the manifest: report and route around."""
+        if now is not None:
+            self._now = now
+        if not 0 <= i < self.n:
+            return []
+        actions: list[Action] = [Report(Evidence(from_peer, i, self.hashes[i], got_hash))]
+        log.warning("corrupt chunk %d from %s: reporting and routing around", i, from_peer)
+        if from_peer != self.hub:
+            self.bad_peers.add(from_peer)
+        self._tried.setdefault(i, set()).add(from_peer)
+        self._requested.pop(i, None)
+        if i in self.have:
+            return actions
+        self._pull(self._stalled_stripes(force={i % self.stripes}), actions)
+        return actions
+
+    def on_tick(self, now: float) -> list[Action]:
+        """Time passes: detect stalled parents and expired requests; pull around them."""
+        self._now = now
+        actions: list[Action] = []
+        if len(self.have) < self.n:
+            expired: list[int] = []
+            for i, (src, deadline) in list(self._requested.items()):
+                if now >= deadline:
+                    del self._requested[i]
+                    self._tried.setdefault(i, set()).add(src)
+                    expired.append(i)
+            # An unanswered pull is retried at once elsewhere; it was already late.
+            self._pull(self._stalled_stripes(), actions, extra=expired)
+        return actions
+
+    # -- pulling ------------------------------------------------------------------------------
+    def _stalled_stripes(self, force: set[int] | None = None) -> set[int]:
+        out = set(force or ())
+        for s in range(self.stripes):
+            p = self.parents[s] if s < len(self.parents) else None
+            if p is None or p in self.bad_peers or self._now - self.last_progress[s] >= self.stall_timeout_s:
+                out.add(s)
+        return out
+
+    def _pull(self, stripes: set[int], actions: list[Action], extra: Iterable[int] = ()) -> None:
+        want = sorted({
+            i for i in range(self.n)
+            if i not in self.have and i not in self._requested and i % self.stripes in stripes
+        } | {i for i in extra if i not in self.have and i not in self._requested})
+        if not want:
+            return
+        stalled_parents = {self.parents[s] for s in stripes if s < len(self.parents)}
+        candidates = {
+            p: h for p, h in self.peer_have.items()
+            if p != self.me and p not in self.bad_peers and p not in stalled_parents
+        }
+        by_peer: dict[str, list[int]] = {}
+        coverage = {p: sum(1 for i in want if i in h) for p, h in candidates.items()}
+        for i in want:
+            tried = self._tried.get(i, set())
+            best: tuple[int, str] | None = None
+            for p, h in candidates.items():
+                if i in h and p not in tried:
+                    key = (-coverage[p], p)
+                    if best is None or key < best:
+                        best = key
+            src = self.hub if best is None else best[1]
+            by_peer.setdefault(src, []).append(i)
+            self._requested[i] = (src, self._now + self.request_timeout_s)
+        for peer in sorted(by_peer):
+            actions.append(Request(peer, tuple(by_peer[peer])))
+        # A stripe we just pulled is no longer considered stalled until the next timeout.
+        for s in stripes:
+            self.last_progress[s] = self._now

@@ -1,0 +1,155 @@
+"""Relay state machine: cut-through, windows, stalls, corrupt chunks, plan changes."""
+
+from __future__ import annotations
+
+from echo2.learner_hub.planner import Plan
+from echo2.protocol.relay import (
+    Complete,
+    Evidence,
+    Relay,
+    Report,
+    Request,
+    Send,
+    bitmap_from_indices,
+    indices_from_bitmap,
+)
+
+N = 8
+HASHES = [bytes([i]) * 32 for i in range(N)]
+
+
+def two_stripe_plan() -> Plan:
+    # me: child of p0 in stripe 0 (and interior there, feeding c1, c2), child of p1 in stripe 1
+    return Plan(
+        version=1,
+        hub="hub",
+        stripes=2,
+        parent=[
+            {"p0": "hub", "p1": "p0", "me": "p0", "c1": "me", "c2": "me", "x": "p0"},
+            {"p1": "hub", "p0": "p1", "me": "p1", "c1": "p1", "c2": "x", "x": "p1"},
+        ],
+        children=[
+            {"hub": ["p0"], "p0": ["p1", "me", "x"], "me": ["c1", "c2"]},
+            {"hub": ["p1"], "p1": ["p0", "me", "c1", "x"], "x": ["c2"]},
+        ],
+        interior={"p0": 0, "me": 0, "p1": 1, "x": 1},
+        capacity={"p0": 3, "me": 2, "p1": 4, "x": 1},
+    )
+
+
+def sends(actions: list) -> list[tuple[str, int]]:
+    return [(a.peer, a.index) for a in actions if isinstance(a, Send)]
+
+
+def requests(actions: list) -> dict[str, tuple[int, ...]]:
+    return {a.peer: a.indices for a in actions if isinstance(a, Request)}
+
+
+def test_cut_through_forwards_only_verified_and_only_own_stripe() -> None:
+    r = Relay("me", two_stripe_plan(), HASHES, window=2)
+    assert r.start(now=0.0) == []
+    assert sends(r.on_chunk_verified(0, now=0.1)) == [("c1", 0), ("c2", 0)]
+    assert sends(r.on_chunk_verified(1, now=0.2)) == []  # stripe 1: I am a leaf there
+    assert sends(r.on_chunk_verified(2, now=0.3)) == [("c1", 2), ("c2", 2)]
+    # window of 2 per child: chunk 4 waits until an ack frees a slot, then goes in order
+    assert sends(r.on_chunk_verified(4, now=0.4)) == []
+    assert sends(r.on_chunk_verified(6, now=0.5)) == []
+    assert sends(r.on_child_ack("c1", 0)) == [("c1", 4)]
+    assert sends(r.on_child_ack("c1", 2)) == [("c1", 6)]
+    assert sends(r.on_child_ack("c2", 2)) == [("c2", 4)]
+    # duplicates and out-of-range chunks do nothing
+    assert r.on_chunk_verified(2, now=0.6) == []
+    assert r.on_chunk_verified(99, now=0.6) == []
+    assert r.on_chunk_verified(-1, now=0.6) == []
+
+
+def test_child_that_has_a_chunk_is_not_sent_it_and_complete_once() -> None:
+    r = Relay("me", two_stripe_plan(), HASHES, window=8)
+    r.on_have("c2", bitmap_from_indices([0, 2], N))
+    out = r.on_chunk_verified(0, now=0.0)
+    assert sends(out) == [("c1", 0)]
+    completes = 0
+    for i in range(1, N):
+        completes += sum(isinstance(a, Complete) for a in r.on_chunk_verified(i, now=float(i)))
+    assert completes == 1
+    assert r.on_tick(100.0) == []  # complete: nothing to pull
+
+
+def test_hub_relay_starts_with_everything() -> None:
+    r = Relay("hub", two_stripe_plan(), HASHES, have=range(N), window=1)
+    out = r.start(now=0.0)
+    assert sends(out) == [("p0", 0), ("p1", 1)]
+    assert any(isinstance(a, Complete) for a in out)
+
+
+def test_stall_pulls_from_a_peer_that_has_it_then_from_hub() -> None:
+    r = Relay("me", two_stripe_plan(), HASHES, stall_timeout_s=5.0, request_timeout_s=3.0)
+    r.on_chunk_verified(0, now=1.0)
+    r.on_chunk_verified(1, now=1.0)
+    r.on_have("x", bitmap_from_indices([2, 3, 4, 5], N))
+    r.on_have("c1", bitmap_from_indices([2], N))
+    r.on_have("p0", bitmap_from_indices(range(N), N))  # the stalled parent itself: not asked
+    assert r.on_tick(4.0) == []  # not stalled yet
+    reqs = requests(r.on_tick(6.5))
+    # x advertises most of the missing chunks; chunks 6 and 7 nobody (but p0) has -> hub
+    assert reqs == {"x": (2, 3, 4, 5), "hub": (6, 7)}
+    assert "p0" not in reqs and "p1" not in reqs
+    # nothing re-requested while the requests are outstanding
+    assert requests(r.on_tick(7.0)) == {}
+    r.on_chunk_verified(2, now=7.5)
+    # x never answers the rest: after the request timeout they go elsewhere (not to x again)
+    again = requests(r.on_tick(10.0))
+    assert again == {"hub": (3, 4, 5, 6, 7)}
+
+
+def test_corrupt_chunk_reported_and_fetched_elsewhere() -> None:
+    r = Relay("me", two_stripe_plan(), HASHES)
+    r.on_have("x", bitmap_from_indices([0, 2], N))
+    r.on_have("c1", bitmap_from_indices([0], N))
+    out = r.on_chunk_corrupt(0, "p0", b"\xff" * 32, now=1.0)
+    reports = [a for a in out if isinstance(a, Report)]
+    assert reports == [Report(Evidence("p0", 0, HASHES[0], b"\xff" * 32))]
+    reqs = requests(out)
+    # the corrupting parent is routed around right away for its whole stripe
+    assert "p0" not in reqs
+    assert 0 in reqs.get("x", ()) and 2 in reqs.get("x", ())
+    assert set(reqs.get("hub", ())) == {4, 6}
+    assert "p0" in r.bad_peers
+    # later pulls never go to the bad peer even if it advertises
+    r.on_have("p0", bitmap_from_indices(range(N), N))
+    later = requests(r.on_tick(50.0))
+    assert "p0" not in later and later
+
+
+def test_corrupt_from_a_pull_source_retries_another_source() -> None:
+    r = Relay("me", two_stripe_plan(), HASHES, stall_timeout_s=1.0)
+    r.on_have("x", bitmap_from_indices([1], N))
+    r.on_have("c1", bitmap_from_indices([1], N))
+    first = requests(r.on_tick(2.0))
+    src = next(p for p, ix in first.items() if 1 in ix)
+    assert src in ("x", "c1")
+    out = r.on_chunk_corrupt(1, src, b"\x00" * 32, now=2.5)
+    retry = requests(out)
+    other = {"x": "c1", "c1": "x"}[src]
+    assert 1 in retry.get(other, ())
+
+
+def test_serve_requests_and_new_children_on_replan() -> None:
+    r = Relay("me", two_stripe_plan(), HASHES, window=4)
+    r.on_chunk_verified(0, now=0.0)
+    assert sends(r.on_request("stranger", [0, 3, 999])) == [("stranger", 0)]
+    assert sends(r.on_chunk_verified(3, now=0.1)) == [("stranger", 3)]
+    plan = two_stripe_plan()
+    plan.children[0]["me"].append("new")
+    plan.parent[0]["new"] = "me"
+    assert sends(r.on_plan(plan, now=0.2)) == [("new", 0)]
+
+
+def test_bitmap_roundtrip_and_hostile_bitmaps() -> None:
+    idx = {0, 7, 8, 13, 99}
+    bm = bitmap_from_indices(idx, 100)
+    assert len(bm) == 13
+    assert bm[0] == 0b1000_0001
+    assert indices_from_bitmap(bm, 100) == idx
+    assert indices_from_bitmap(b"\xff" * 1000, 10) == set(range(10))
+    assert indices_from_bitmap(b"", 10) == set()
