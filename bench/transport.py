@@ -92,6 +92,7 @@ async def _libp2p(nbytes: int) -> float:
     from libp2p.crypto.ed25519 import create_new_key_pair
     from libp2p.crypto.x25519 import create_new_key_pair as create_new_x25519_key_pair
     from libp2p.custom_types import TProtocol
+    from libp2p.network.stream.exceptions import StreamEOF
     from libp2p.peer.peerinfo import PeerInfo
     from libp2p.security.noise.transport import PROTOCOL_ID as NOISE_PROTOCOL_ID
     from libp2p.security.noise.transport import Transport as NoiseTransport
@@ -118,7 +119,10 @@ async def _libp2p(nbytes: int) -> float:
         nonlocal got
         try:
             while True:
-                data = await stream.read(MiB)
+                try:
+                    data = await stream.read(MiB)
+                except StreamEOF:  # how py-libp2p reports the writer's close
+                    break
                 if not data:
                     break
                 got += len(data)

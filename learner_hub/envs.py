@@ -8,12 +8,16 @@ cut off at ``max_new_tokens``: toy tasks pay full credit only for an answer that
 
 Reward design (all rewards lie in [0, 1]):
 
-* ``copy`` ("copy the second digit"): prompt ``"73="``, answer ``"3"``. 1.0 for exactly the
-  answer followed by eos; 0.5 for a completion that starts with the right digit but does not stop
-  right after it; 0.1 for a completion whose first character is a digit but the wrong one
-  (format shaping: a random-init byte model emits a digit with probability ~10/259, so this gives
-  the learner a gradient from the first steps; it is far below the credit for the right digit, so
-  "emit any digit" is not a resting point); 0.0 otherwise.
+* ``copy`` ("copy the second digit"): prompt ``"73="``, answer ``"3"``. Three additive parts:
+  ``correct_w`` (0.7) if the first character is the answer digit, ``stop_w`` (0.2) if the
+  completion is exactly one character and then eos, ``digit_w`` (0.1) if the first character is
+  any digit. So "3"+eos earns 1.0, "3" cut off 0.8, "7"+eos 0.3, "7" cut off 0.1, "x"+eos 0.2,
+  "x3" 0.0.
+  Why additive: a random-init byte model emits a digit with probability ~10/259 and eos with
+  ~1/259; a stop bonus paid only on a correct answer is found ~1/2600 samples and was never
+  learned in 300 steps (measured), while an independent stop bonus is found about once per
+  256-sample step from the start. The format parts stay well below the answer credit, so
+  "any digit then stop" (0.3 + 0.07 on average) is no resting point.
 * ``reverse`` ("reverse three digits"): prompt ``"123="``, answer ``"321"``. 0.9 x (fraction
   of the three positions holding the right digit) + 0.1 if the completion is exactly three
   characters and stopped.
@@ -73,12 +77,23 @@ class CopyEnv:
 
     name = "copy"
 
-    def __init__(self, n_digits: int = 2, position: int = 1, max_new_tokens: int = 4) -> None:
+    def __init__(
+        self,
+        n_digits: int = 2,
+        position: int = 1,
+        max_new_tokens: int = 4,
+        correct_w: float = 0.7,
+        stop_w: float = 0.2,
+        digit_w: float = 0.1,
+    ) -> None:
         if not 0 <= position < n_digits:
             raise ValueError("position must index one of the prompt digits")
+        if min(correct_w, stop_w, digit_w) < 0 or correct_w + stop_w + digit_w > 1.0 + 1e-9:
+            raise ValueError("reward weights must be >= 0 and sum to at most 1")
         self.n_digits = n_digits
         self.position = position
         self.max_new_tokens = max_new_tokens
+        self.correct_w, self.stop_w, self.digit_w = correct_w, stop_w, digit_w
 
     def sample_prompts(self, n: int, rng: random.Random) -> list[PromptItem]:
         out = []
@@ -91,9 +106,14 @@ class CopyEnv:
         if not completion_text:
             return 0.0
         first = completion_text[0]
+        r = 0.0
         if first == item.answer:
-            return 1.0 if (len(completion_text) == 1 and finish_reason == "stop") else 0.5
-        return 0.1 if first in DIGITS else 0.0
+            r += self.correct_w
+        if len(completion_text) == 1 and finish_reason == "stop":
+            r += self.stop_w
+        if first in DIGITS:
+            r += self.digit_w
+        return r
 
     def check(self, item: PromptItem, completion_text: str, finish_reason: str = "stop") -> bool:
         return completion_text == item.answer and finish_reason == "stop"

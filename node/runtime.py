@@ -28,7 +28,6 @@ from echo2.protocol.messages import (
     AdmissionDecision,
     AdmissionRequest,
     Announce,
-    ErrorReply,
     Heartbeat,
     HoldsVersion,
     Manifest,
@@ -52,6 +51,7 @@ from echo2.protocol.wire import (
 )
 
 from .hardware import probe
+from .tasks import TaskRefused, open_task
 from .versions import Assembly, HeldVersion
 
 log = logging.getLogger(__name__)
@@ -75,6 +75,7 @@ class NodeConfig:
 class NodeStats:
     tasks_done: int = 0
     tasks_declined: int = 0
+    tasks_refused: int = 0
     results_refused: int = 0
     tokens: int = 0
     versions_loaded: list[int] = field(default_factory=list)
@@ -326,7 +327,6 @@ class Node:
                 resp = await host.request(
                     self.hub_peer, WORK, envelope.seal(self.identity, hb), max_response=MAX_TASK, timeout_s=WORK_POLL_S + 15
                 )
-                v = envelope.open_envelope(resp, (Task, ErrorReply), replay=self.replay, allowed=self._hub_only)
             except RemoteError as exc:
                 log.warning("hub refused work request: %s", exc)
                 await trio.sleep(backoff)
@@ -338,12 +338,23 @@ class Node:
                 backoff = min(backoff * 2, 15.0)
                 continue
             backoff = 0.5
-            if isinstance(v.message, ErrorReply):
-                if v.message.code != "no_work":
-                    log.info("hub: %s", v.message.message)
+            try:
+                acc = open_task(resp, hub_peer=self.hub_peer, me=self.peer_id,
+                                held_version=self.held.version if self.held else None, replay=self.replay)
+            except TaskRefused as exc:
+                await self._decline(host, exc.task, exc.code, exc.message)
+                continue
+            except Echo2Error as exc:
+                # forged or malformed: never run it, never answer it
+                self.stats.tasks_refused += 1
+                log.warning("refused task from hub link: %s", exc)
+                continue
+            if acc.task is None:
+                if acc.reply is not None and acc.reply.code != "no_work":
+                    log.info("hub: %s", acc.reply.message)
                     await trio.sleep(0.5)
                 continue
-            await self._run_task(host, v.message)
+            await self._run_task(host, acc.task)
             if self.cfg.max_tasks and self.stats.tasks_done >= self.cfg.max_tasks:
                 self._stop.set()
                 return
@@ -358,31 +369,25 @@ class Node:
             log.debug("decline not delivered: %s", exc)
 
     async def _run_task(self, host: ControlHost, task: Task) -> None:
-        if task.node_id != self.peer_id:
-            await self._decline(host, task, "not_mine", "task is assigned to another node")
-            return
-        if task.deadline < time.time():
-            await self._decline(host, task, "expired", "task deadline already passed")
-            return
-        held = self.held
-        if held is None or held.version < task.min_version:
-            have = held.version if held else -1
-            await self._decline(host, task, "version_not_held", f"task needs version >= {task.min_version}, node holds {have}")
-            return
         started = time.time()
         self._current_task = task
         async with self._engine_lock:
             version = self._engine.version
             t0 = time.monotonic()
-            completions = await trio.to_thread.run_sync(
-                self._engine.generate,
-                [list(p) for p in task.prompts],
-                task.group_size,
-                task.max_new_tokens,
-                task.temperature,
-                task.top_p,
-                task.seed,
-            )
+            try:
+                completions = await trio.to_thread.run_sync(
+                    self._engine.generate,
+                    [list(p) for p in task.prompts],
+                    task.group_size,
+                    task.max_new_tokens,
+                    task.temperature,
+                    task.top_p,
+                    task.seed,
+                )
+            except Echo2Error as exc:  # the engine refused the request (limits, vocabulary)
+                self._current_task = None
+                await self._decline(host, task, exc.code, exc.message)
+                return
             gen_s = time.monotonic() - t0
         self._current_task = None
         tokens = sum(len(c.token_ids) for c in completions)

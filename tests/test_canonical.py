@@ -26,7 +26,9 @@ scalars = (
 )
 values = st.recursive(
     scalars,
-    lambda children: st.lists(children, max_size=6) | st.dictionaries(st.text(max_size=12), children, max_size=6),
+    lambda children: (
+        st.lists(children, max_size=6) | st.dictionaries(st.text(max_size=12), children, max_size=6)
+    ),
     max_leaves=40,
 )
 
@@ -40,7 +42,9 @@ def test_blake3_known_vector_and_views() -> None:
     data = bytes(range(256)) * 1000
     d = hashing.digest(data)
     assert len(d) == hashing.DIGEST_SIZE == 32
-    assert hashing.digest(memoryview(data)) == d == hashing.digest(bytearray(data)) == hashing.chunk_hash(data)
+    assert (
+        hashing.digest(memoryview(data)) == d == hashing.digest(bytearray(data)) == hashing.chunk_hash(data)
+    )
     assert hashing.digest(data[:-1] + b"\x00") != d
 
 

@@ -158,6 +158,16 @@ def test_request_response_errors_and_guarded_handlers() -> None:
                 await client.request(addr, ECHO, b"y" * 100, max_response=10)
             assert server.refusals == {"meaning": 1, "internal": 1, "too_large": 1}
 
+            # A truncated request frame (peer closes mid-frame) is refused and logged, no crash.
+            raw = await client.libp2p_host.new_stream(
+                info_from_p2p_addr(multiaddr.Multiaddr(addr)).peer_id, [TProtocol(ECHO)]
+            )
+            await raw.write((100).to_bytes(4, "big") + b"abc")
+            await raw.close()
+            with trio.fail_after(5):
+                while server.refusals["transport"] < 1:
+                    await trio.sleep(0.02)
+
             # Unknown protocol: a transport failure, not a hang.
             with pytest.raises(TransportError):
                 await client.request(addr, "/echo2/nope/1.0.0", b"", max_response=64, timeout_s=5)
@@ -370,6 +380,14 @@ def test_shutdown_releases_port_and_leaves_no_tasks() -> None:
             while task_count() > before:
                 await trio.sleep(0.05)
 
+        # py-libp2p only logs a failed listen; we refuse to run unreachable.
+        with socket.socket() as busy:
+            busy.bind(("127.0.0.1", 0))
+            busy.listen()
+            with pytest.raises(TransportError, match="could not listen"):
+                async with ControlHost(Identity.generate(), listen_port=busy.getsockname()[1], gossip=False):
+                    pass
+
     run(main)
 
 
@@ -393,11 +411,15 @@ def test_bootstrap_reconnects_with_backoff() -> None:
         async with node:
             await trio.sleep(0.5)  # hub not up yet: dials fail and back off
             assert not node.is_connected(hub_id.peer_id)
-            for _ in range(2):
-                async with ControlHost(hub_id, listen_port=port, gossip=False) as hub:
+            for round_ in range(2):
+                hub = ControlHost(hub_id, listen_port=port, gossip=False)
+                hub.set_handler(ECHO, lambda _p, r: _echo(r), max_request=64)  # before start
+                async with hub:
                     with trio.fail_after(5):
                         while not node.is_connected(hub.peer_id):
                             await trio.sleep(0.05)
+                    msg = b"round %d" % round_
+                    assert await node.request(hub.peer_id, ECHO, msg, max_response=64) == msg
                 with trio.fail_after(5):
                     while node.is_connected(hub_id.peer_id):
                         await trio.sleep(0.05)

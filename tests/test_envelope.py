@@ -188,7 +188,11 @@ def test_payload_schema_errors(payload: Any, match: str) -> None:
 
 def test_payload_oversized_list_and_string() -> None:
     w = make_announce(peer_id=NODE.peer_id).to_wire()
-    for over, match in [({"listen_addrs": ["a"] * 17}, "listen_addrs"), ({"engine": "e" * 65}, "engine")]:
+    cases: list[tuple[dict[str, Any], str]] = [
+        ({"listen_addrs": ["a"] * 17}, "listen_addrs"),
+        ({"engine": "e" * 65}, "engine"),
+    ]
+    for over, match in cases:
         data = resign(body_of(make_announce(), p=canonical.encode({**w, **over})))
         with pytest.raises(SchemaError, match=match):
             open_envelope(data, Announce, now=NOW, replay=None)
@@ -229,7 +233,9 @@ def test_bad_signature() -> None:
     # changing the payload breaks the signature
     other_payload = canonical.encode(HoldsVersion(NODE.peer_id, 4, 0.25).to_wire())
     with pytest.raises(BadSignature):
-        open_envelope(canonical.encode(body_of(small_msg(), p=other_payload)), HoldsVersion, now=NOW, replay=None)
+        open_envelope(
+            canonical.encode(body_of(small_msg(), p=other_payload)), HoldsVersion, now=NOW, replay=None
+        )
 
 
 def test_signer_not_allowed() -> None:

@@ -35,12 +35,18 @@ def test_copy_prompts_and_rewards() -> None:
         assert len(it.text) == 3 and it.text[2] == "=" and it.text[:2].isdigit()
         assert it.answer == it.text[1]
     it = PromptItem("73=", "3")
-    assert env.reward(it, "3", "stop") == 1.0 and env.check(it, "3", "stop")
-    assert env.reward(it, "3", "length") == 0.5  # right digit, never stopped
-    assert env.reward(it, "37", "stop") == 0.5  # right digit, then junk
-    assert env.reward(it, "7", "stop") == 0.1  # a digit, the wrong one
+    assert env.reward(it, "3", "stop") == pytest.approx(1.0) and env.check(it, "3", "stop")
+    assert env.reward(it, "3", "length") == pytest.approx(0.8)  # right digit, never stopped
+    assert env.reward(it, "37", "stop") == pytest.approx(0.8)  # right digit, then junk
+    assert env.reward(it, "7", "stop") == pytest.approx(0.3)  # a digit, the wrong one, stopped
+    assert env.reward(it, "77", "length") == pytest.approx(0.1)  # a wrong digit, no stop
+    assert env.reward(it, "x", "stop") == pytest.approx(0.2)  # malformed but stopped
     assert env.reward(it, "x3", "stop") == 0.0  # malformed
     assert env.reward(it, "", "stop") == 0.0
+    strict = make_env("copy", correct_w=1.0, stop_w=0.0, digit_w=0.0)
+    assert strict.reward(it, "3", "length") == 1.0 and strict.reward(it, "7", "stop") == 0.0
+    with pytest.raises(ValueError):
+        make_env("copy", correct_w=0.9, stop_w=0.2)
     assert not env.check(it, "3", "length")
 
 

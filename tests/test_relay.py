@@ -99,7 +99,8 @@ def test_stall_pulls_from_a_peer_that_has_it_then_from_hub() -> None:
     r.on_chunk_verified(2, now=7.5)
     # x never answers the rest: after the request timeout they go elsewhere (not to x again)
     again = requests(r.on_tick(10.0))
-    assert again == {"hub": (3, 4, 5, 6, 7)}
+    assert again and "x" not in again
+    assert sorted(i for ix in again.values() for i in ix) == [3, 4, 5, 6, 7]
 
 
 def test_corrupt_chunk_reported_and_fetched_elsewhere() -> None:

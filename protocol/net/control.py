@@ -194,6 +194,17 @@ def _is_handshake_failure(exc: BaseException) -> bool:
     return False
 
 
+def _find_echo2_error(exc: BaseException) -> Echo2Error | None:
+    if isinstance(exc, Echo2Error):
+        return exc
+    if isinstance(exc, BaseExceptionGroup):
+        for sub in exc.exceptions:
+            found = _find_echo2_error(sub)
+            if found is not None:
+                return found
+    return None
+
+
 async def _read_exactly(stream: INetStream, n: int) -> bytes:
     buf = bytearray()
     while len(buf) < n:
@@ -331,6 +342,7 @@ class ControlHost:
         self._stack: contextlib.AsyncExitStack | None = None
         self._bootstrap: list[str] = []
         self._subscriptions: dict[str, Any] = {}
+        self._handlers: dict[str, Callable[[INetStream], Awaitable[None]]] = {}
         self._on_connect: list[PeerCallback] = []
         self._on_disconnect: list[PeerCallback] = []
         self._rng = random.Random()
@@ -393,6 +405,12 @@ class ControlHost:
         host.get_network().register_notifee(_ConnNotifee(self))
         try:
             async with host.run([listen]):
+                # py-libp2p only logs a failed listen (port in use, bad address) and runs on
+                # without addresses; a control host that cannot be reached is an error.
+                if not host.get_transport_addrs():
+                    raise TransportError(f"could not listen on {listen}")
+                for protocol_id, stream_handler in self._handlers.items():
+                    host.set_stream_handler(TProtocol(protocol_id), stream_handler)
                 try:
                     async with contextlib.AsyncExitStack() as services:
                         if self.gossip_enabled:
@@ -448,8 +466,12 @@ class ControlHost:
         await stack.__aenter__()
         try:
             await stack.enter_async_context(self._running())
-        except BaseException:
+        except BaseException as exc:
             await stack.__aexit__(None, None, None)
+            # host.run() nests errors in ExceptionGroups; surface our own error bare.
+            ours = _find_echo2_error(exc)
+            if ours is not None and ours is not exc:
+                raise ours from exc
             raise
         self._stack = stack
         return self
@@ -587,17 +609,21 @@ class ControlHost:
 
         The handler gets (peer ID, request bytes) and returns the reply payload. An Echo2Error
         it raises becomes an error reply with that code; anything else becomes ``internal``.
+        May be called before the host runs (registered on start) or while it runs.
         """
-        host = self._require_host()
         limit = self.handler_timeout_s if timeout_s is None else timeout_s
 
         async def stream_handler(stream: INetStream) -> None:
             await self._serve_stream(stream, protocol_id, handler, max_request, limit)
 
-        host.set_stream_handler(TProtocol(protocol_id), stream_handler)
+        self._handlers[protocol_id] = stream_handler
+        if self._host is not None:
+            self._host.set_stream_handler(TProtocol(protocol_id), stream_handler)
 
     def remove_handler(self, protocol_id: str) -> None:
-        self._require_host().remove_stream_handler(TProtocol(protocol_id))
+        self._handlers.pop(protocol_id, None)
+        if self._host is not None:
+            self._host.remove_stream_handler(TProtocol(protocol_id))
 
     def _refuse(self, code: str, peer: str, protocol_id: str, detail: str) -> None:
         self.refusals[code] += 1

@@ -55,7 +55,6 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-import blake3
 import trio
 
 from ..errors import (
@@ -69,6 +68,7 @@ from ..errors import (
     TooLarge,
     TransportError,
 )
+from ..hashing import digest
 from ..identity import Identity, peer_id_from_public_key, verify_signature
 from .ratelimit import DEFAULT_SLICE_BYTES, UploadLimiter, acquire_all
 
@@ -151,8 +151,8 @@ def _count_refusal(key: str, server_stats: DataPlaneStats | None = None) -> None
 
 
 def chunk_key(data: bytes | bytearray | memoryview) -> bytes:
-    """The key a CHUNK frame carries: blake3 of the body (= ``echo2.protocol.hashing.digest``)."""
-    return blake3.blake3(data).digest()
+    """The key a CHUNK frame carries: the project's content hash (blake3) of the body."""
+    return digest(data)
 
 
 def encode_error(code: str, message: str) -> bytes:
@@ -223,6 +223,7 @@ class DataConnection:
         self._got_bye = False
         self._closed = False
         self._rx_partial = False  # some bytes of the current frame were read
+        self._tx_started = False  # some bytes of the frame being sent may be out
 
     def __repr__(self) -> str:
         return f"DataConnection(peer={self.peer_id}, dialer={self.is_dialer})"
@@ -266,8 +267,10 @@ class DataConnection:
         async with self._send_lock:
             self._check_usable()
             sent = 0
+            self._tx_started = False
             try:
                 if not self._limiters:
+                    self._tx_started = True
                     await self._stream.send_all(header)
                     sent += HEADER_SIZE
                     if n:
@@ -283,7 +286,9 @@ class DataConnection:
                 raise TransportError(f"peer {self.peer_id} is gone (send failed: {exc!r})") from exc
             except BaseException:
                 # Cancelled half-way through a frame: the peer would misparse whatever follows.
-                self._broken = "send interrupted mid-frame"
+                # (Cancelled while still waiting for the rate limiter is harmless.)
+                if self._tx_started:
+                    self._broken = "send interrupted mid-frame"
                 raise
             finally:
                 self._account_sent(sent)
@@ -293,6 +298,7 @@ class DataConnection:
         with memoryview(payload) as mv:
             first = mv[: DEFAULT_SLICE_BYTES - HEADER_SIZE]
             await acquire_all(self._limiters, HEADER_SIZE + len(first))
+            self._tx_started = True
             await self._stream.send_all(header)
             if len(first):
                 await self._stream.send_all(first)
@@ -766,4 +772,7 @@ class DataPlaneServer:
             log.exception("data-plane handler for %s crashed", peer_id)
             await conn.abort()
             return
+        except BaseException:  # server shutting down: do not leave the socket open
+            await conn.abort()
+            raise
         await conn.aclose()
