@@ -85,6 +85,7 @@ class CopyEnv:
         correct_w: float = 0.7,
         stop_w: float = 0.2,
         digit_w: float = 0.1,
+        sep: str = "=",
     ) -> None:
         if not 0 <= position < n_digits:
             raise ValueError("position must index one of the prompt digits")
@@ -94,12 +95,13 @@ class CopyEnv:
         self.position = position
         self.max_new_tokens = max_new_tokens
         self.correct_w, self.stop_w, self.digit_w = correct_w, stop_w, digit_w
+        self.sep = sep
 
     def sample_prompts(self, n: int, rng: random.Random) -> list[PromptItem]:
         out = []
         for _ in range(n):
             digits = "".join(rng.choice(DIGITS) for _ in range(self.n_digits))
-            out.append(PromptItem(text=digits + "=", answer=digits[self.position]))
+            out.append(PromptItem(text=digits + self.sep, answer=digits[self.position]))
         return out
 
     def reward(self, item: PromptItem, completion_text: str, finish_reason: str = "stop") -> float:

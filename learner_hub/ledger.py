@@ -1,0 +1,386 @@
+"""Pure accounting: what each node was paid for and what it produced (BRIEF section 6).
+
+Cost is Σ price × active hours, with the price piecewise constant: a price change closes the
+running interval at the old price and opens a new one at the new price, so a node is never billed
+a new price for time it served at the old one. The headline figure is $ per accepted token.
+
+Nothing here knows about clocks, trio or the database: every call takes ``now`` (unix seconds).
+:meth:`Ledger.snapshot` / :meth:`Ledger.restore` carry the accumulated figures across restarts
+(the store persists them); a restored node starts inactive, because the time the hub was down is
+not billable - the hub re-activates the node when it is admitted again.
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import math
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+SECONDS_PER_HOUR = 3600.0
+
+
+@dataclass
+class AccountRow:
+    """One node's account up to some time: also the persisted snapshot form."""
+
+    peer_id: str
+    price_usd_per_hour: float = 0.0
+    active: bool = False
+    active_s: float = 0.0
+    cost_usd: float = 0.0
+    accepted_results: int = 0
+    accepted_rollouts: int = 0
+    accepted_tokens: int = 0
+    refused: int = 0
+    refused_by_reason: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def usd_per_token(self) -> float | None:
+        return self.cost_usd / self.accepted_tokens if self.accepted_tokens else None
+
+
+@dataclass(frozen=True)
+class Totals:
+    nodes: int
+    active_nodes: int
+    active_s: float
+    cost_usd: float
+    accepted_results: int
+    accepted_rollouts: int
+    accepted_tokens: int
+    refused: int
+    refused_by_reason: dict[str, int]
+
+    @property
+    def usd_per_token(self) -> float | None:
+        return self.cost_usd / self.accepted_tokens if self.accepted_tokens else None
+
+    @property
+    def usd_per_million_tokens(self) -> float | None:
+        u = self.usd_per_token
+        return None if u is None else u * 1e6
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "nodes": self.nodes,
+            "active_nodes": self.active_nodes,
+            "active_s": self.active_s,
+            "cost_usd": self.cost_usd,
+            "accepted_results": self.accepted_results,
+            "accepted_rollouts": self.accepted_rollouts,
+            "accepted_tokens": self.accepted_tokens,
+            "refused": self.refused,
+            "refused_by_reason": dict(self.refused_by_reason),
+            "usd_per_token": self.usd_per_token,
+            "usd_per_million_tokens": self.usd_per_million_tokens,
+        }
+
+
+def _check_price(price: float) -> float:
+    p = float(price)
+    if not math.isfinite(p) or p < 0:
+        raise ValueError(f"price must be a finite number >= 0, got {price!r}")
+    return p
+
+
+@dataclass
+class _Account:
+    peer_id: str
+    price: float = 0.0
+    closed_s: float = 0.0
+    closed_cost: float = 0.0
+    active_since: float | None = None
+    accepted_results: int = 0
+    accepted_rollouts: int = 0
+    accepted_tokens: int = 0
+    refused_by_reason: dict[str, int] = field(default_factory=dict)
+
+    def _close(self, now: float) -> None:
+        if self.active_since is None:
+            return
+        # A clock stepping backwards must never produce negative time or cost.
+        dt = max(0.0, now - self.active_since)
+        self.closed_s += dt
+        self.closed_cost += dt * self.price / SECONDS_PER_HOUR
+        self.active_since = now
+
+    def row(self, now: float) -> AccountRow:
+        open_s = max(0.0, now - self.active_since) if self.active_since is not None else 0.0
+        return AccountRow(
+            peer_id=self.peer_id,
+            price_usd_per_hour=self.price,
+            active=self.active_since is not None,
+            active_s=self.closed_s + open_s,
+            cost_usd=self.closed_cost + open_s * self.price / SECONDS_PER_HOUR,
+            accepted_results=self.accepted_results,
+            accepted_rollouts=self.accepted_rollouts,
+            accepted_tokens=self.accepted_tokens,
+            refused=sum(self.refused_by_reason.values()),
+            refused_by_reason=dict(self.refused_by_reason),
+        )
+
+
+class Ledger:
+    """Per-node active intervals, prices, accepted output and refusals."""
+
+    def __init__(self) -> None:
+        self._acc: dict[str, _Account] = {}
+
+    def _get(self, peer_id: str) -> _Account:
+        a = self._acc.get(peer_id)
+        if a is None:
+            a = self._acc[peer_id] = _Account(peer_id)
+        return a
+
+    def __contains__(self, peer_id: object) -> bool:
+        return peer_id in self._acc
+
+    def is_active(self, peer_id: str) -> bool:
+        a = self._acc.get(peer_id)
+        return a is not None and a.active_since is not None
+
+    def activate(self, peer_id: str, now: float, price: float | None = None) -> None:
+        """Start billing ``peer_id`` (idempotent; a price given here applies from ``now``)."""
+        a = self._get(peer_id)
+        if price is not None:
+            self.set_price(peer_id, price, now)
+        if a.active_since is None:
+            a.active_since = now
+
+    def deactivate(self, peer_id: str, now: float) -> None:
+        a = self._acc.get(peer_id)
+        if a is None or a.active_since is None:
+            return
+        a._close(now)
+        a.active_since = None
+
+    def set_price(self, peer_id: str, price: float, now: float) -> None:
+        p = _check_price(price)
+        a = self._get(peer_id)
+        a._close(now)
+        a.price = p
+
+    def accept(self, peer_id: str, rollouts: int, tokens: int) -> None:
+        """An accepted result (rollouts = completions, tokens = generated tokens)."""
+        if rollouts < 0 or tokens < 0:
+            raise ValueError("rollouts and tokens must be >= 0")
+        a = self._get(peer_id)
+        a.accepted_results += 1
+        a.accepted_rollouts += int(rollouts)
+        a.accepted_tokens += int(tokens)
+
+    def refuse(self, peer_id: str, reason: str) -> None:
+        a = self._get(peer_id)
+        a.refused_by_reason[reason] = a.refused_by_reason.get(reason, 0) + 1
+
+    def rows(self, now: float) -> list[AccountRow]:
+        return [self._acc[p].row(now) for p in sorted(self._acc)]
+
+    def row(self, peer_id: str, now: float) -> AccountRow | None:
+        a = self._acc.get(peer_id)
+        return a.row(now) if a is not None else None
+
+    def totals(self, now: float) -> Totals:
+        return totals_of(self.rows(now))
+
+    # --- persistence ---------------------------------------------------------------------------
+    def snapshot(self, now: float) -> list[AccountRow]:
+        """The accounts up to ``now`` (what the store persists)."""
+        return self.rows(now)
+
+    @classmethod
+    def restore(cls, rows: Iterable[AccountRow]) -> Ledger:
+        """Rebuild from a snapshot; every node comes back inactive (downtime is not billed)."""
+        led = cls()
+        for r in rows:
+            led._acc[r.peer_id] = _Account(
+                peer_id=r.peer_id,
+                price=_check_price(r.price_usd_per_hour),
+                closed_s=float(r.active_s),
+                closed_cost=float(r.cost_usd),
+                active_since=None,
+                accepted_results=int(r.accepted_results),
+                accepted_rollouts=int(r.accepted_rollouts),
+                accepted_tokens=int(r.accepted_tokens),
+                refused_by_reason=dict(r.refused_by_reason),
+            )
+        return led
+
+
+def totals_of(rows: Sequence[AccountRow]) -> Totals:
+    refused: dict[str, int] = {}
+    for r in rows:
+        for k, v in r.refused_by_reason.items():
+            refused[k] = refused.get(k, 0) + v
+    return Totals(
+        nodes=len(rows),
+        active_nodes=sum(1 for r in rows if r.active),
+        active_s=sum(r.active_s for r in rows),
+        cost_usd=sum(r.cost_usd for r in rows),
+        accepted_results=sum(r.accepted_results for r in rows),
+        accepted_rollouts=sum(r.accepted_rollouts for r in rows),
+        accepted_tokens=sum(r.accepted_tokens for r in rows),
+        refused=sum(r.refused for r in rows),
+        refused_by_reason=refused,
+    )
+
+
+# --- rendering ---------------------------------------------------------------------------------
+def render_table(headers: Sequence[str], rows: Sequence[Sequence[object]], *, right: Iterable[int] = ()) -> str:
+    """A plain aligned text table (columns in ``right`` are right-aligned)."""
+    cells = [[str(h) for h in headers]] + [[str(c) for c in r] for r in rows]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
+    ra = set(right)
+
+    def fmt(r: list[str]) -> str:
+        return "  ".join(c.rjust(w) if i in ra else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths, strict=True))).rstrip()
+
+    lines = [fmt(cells[0]), "  ".join("-" * w for w in widths)]
+    lines += [fmt(r) for r in cells[1:]]
+    return "\n".join(lines)
+
+
+def _money(x: float | None, digits: int = 4) -> str:
+    return "-" if x is None else f"{x:.{digits}f}"
+
+
+def _dur(s: float) -> str:
+    s = int(round(s))
+    h, rem = divmod(s, 3600)
+    m, sec = divmod(rem, 60)
+    return f"{h}:{m:02d}:{sec:02d}"
+
+
+LEDGER_COLUMNS = (
+    "peer_id",
+    "price_usd_per_hour",
+    "active",
+    "active_s",
+    "cost_usd",
+    "accepted_results",
+    "accepted_rollouts",
+    "accepted_tokens",
+    "refused",
+    "usd_per_token",
+)
+
+
+def render_ledger(rows: Sequence[AccountRow], totals: Totals | None = None) -> str:
+    """The `echo2 hub ledger` table, with a totals line and the $ per accepted token."""
+    t = totals if totals is not None else totals_of(rows)
+    body = [
+        [
+            r.peer_id,
+            f"{r.price_usd_per_hour:.3f}",
+            "yes" if r.active else "no",
+            _dur(r.active_s),
+            _money(r.cost_usd),
+            r.accepted_rollouts,
+            r.accepted_tokens,
+            r.refused,
+            _money(None if r.usd_per_token is None else r.usd_per_token * 1e6, 2),
+        ]
+        for r in rows
+    ]
+    body.append(
+        [
+            f"TOTAL ({t.nodes} nodes)",
+            "",
+            str(t.active_nodes),
+            _dur(t.active_s),
+            _money(t.cost_usd),
+            t.accepted_rollouts,
+            t.accepted_tokens,
+            t.refused,
+            _money(t.usd_per_million_tokens, 2),
+        ]
+    )
+    headers = ["peer ID", "$/h", "active", "active time", "cost $", "rollouts", "tokens", "refused", "$/Mtok"]
+    out = render_table(headers, body, right=range(1, 9))
+    per_tok = "-" if t.usd_per_token is None else f"{t.usd_per_token:.3e}"
+    return f"{out}\n\n$ per accepted token: {per_tok}"
+
+
+def ledger_csv(rows: Sequence[AccountRow], totals: Totals | None = None) -> str:
+    """CSV with one line per node and a final TOTAL line (machine readable: full precision)."""
+    t = totals if totals is not None else totals_of(rows)
+    buf = io.StringIO()
+    w = csv.writer(buf, lineterminator="\n")
+    w.writerow(LEDGER_COLUMNS)
+    for r in rows:
+        w.writerow(
+            [
+                r.peer_id,
+                repr(r.price_usd_per_hour),
+                int(r.active),
+                repr(r.active_s),
+                repr(r.cost_usd),
+                r.accepted_results,
+                r.accepted_rollouts,
+                r.accepted_tokens,
+                r.refused,
+                "" if r.usd_per_token is None else repr(r.usd_per_token),
+            ]
+        )
+    w.writerow(
+        [
+            "TOTAL",
+            "",
+            t.active_nodes,
+            repr(t.active_s),
+            repr(t.cost_usd),
+            t.accepted_results,
+            t.accepted_rollouts,
+            t.accepted_tokens,
+            t.refused,
+            "" if t.usd_per_token is None else repr(t.usd_per_token),
+        ]
+    )
+    return buf.getvalue()
+
+
+@dataclass(frozen=True)
+class NodeRow:
+    """One line of `echo2 hub nodes`."""
+
+    peer_id: str
+    hardware: str
+    price_usd_per_hour: float
+    measured_rate: float | None
+    reputation: float
+    state: str
+    cost_usd: float
+
+
+def hardware_summary(announce: dict[str, Any] | None) -> str:
+    """A short hardware description from an Announce's wire dict (``"2x H200 141GiB"``)."""
+    if not announce:
+        return "?"
+    acc = str(announce.get("accelerator") or "")
+    if acc:
+        n = announce.get("accelerator_count") or 1
+        mem = announce.get("accelerator_memory_bytes") or 0
+        mem_s = f" {int(mem) / 2**30:.0f}GiB" if isinstance(mem, (int, float)) and mem > 0 else ""
+        return f"{n}x {acc}{mem_s}"[:40]
+    cores = announce.get("cpu_cores") or "?"
+    return f"cpu {cores}c {str(announce.get('cpu_model') or '')}".strip()[:40]
+
+
+def render_nodes(rows: Sequence[NodeRow]) -> str:
+    body = [
+        [
+            r.peer_id,
+            r.hardware,
+            f"{r.price_usd_per_hour:.3f}",
+            "-" if r.measured_rate is None else f"{r.measured_rate:.2f}",
+            f"{r.reputation:.2f}",
+            r.state,
+            _money(r.cost_usd),
+        ]
+        for r in rows
+    ]
+    headers = ["peer ID", "hardware", "$/h", "rollouts/s", "reputation", "state", "cost $"]
+    return render_table(headers, body, right=(2, 3, 4, 6))
