@@ -572,20 +572,26 @@ class Manifest(Message):
     bf16_split: bool
 
 
+MAX_STRIPES = 16
+
+
 @dataclass(frozen=True)
 class BroadcastPlan(Message):
     TYPE: ClassVar[str] = "broadcast_plan"
     MAX_SIZE: ClassVar[int] = 16 * MiB
     SPEC: ClassVar[dict[str, Spec]] = {
         "version": _VERSION,
-        "parent_of": Dict(_PEER, _PEER, MAX_PLAN_PEERS),
-        "children": Dict(_PEER, List(_PEER, MAX_PLAN_PEERS), MAX_PLAN_PEERS),
+        "stripes": Int(1, MAX_STRIPES),
+        "parents": Dict(_PEER, List(_PEER, MAX_STRIPES, min_len=1), MAX_PLAN_PEERS),
+        "children": Dict(_PEER, List(List(_PEER, MAX_PLAN_PEERS), MAX_STRIPES), MAX_PLAN_PEERS),
         "data_addrs": Dict(_PEER, Str(256), MAX_PLAN_PEERS),
         "created": _ANY_F,
     }
+    # One tree per stripe (chunk i travels in stripe i % stripes); the hub is named by its peer ID.
     version: int
-    parent_of: dict[str, str]
-    children: dict[str, list[str]]
+    stripes: int
+    parents: dict[str, list[str]]
+    children: dict[str, list[list[str]]]
     data_addrs: dict[str, str]
     created: float
 

@@ -72,11 +72,11 @@ def test_round_trip_every_message_type(msg: messages.Message) -> None:
 
 def test_signed_bytes_are_canonical() -> None:
     peers = [i.peer_id for i in IDENTITIES]
-    a = messages.BroadcastPlan(7, {peers[1]: peers[0], peers[2]: peers[1]}, {peers[0]: [peers[1]]},
+    a = messages.BroadcastPlan(7, 1, {peers[1]: [peers[0]], peers[2]: [peers[1]]}, {peers[0]: [[peers[1]]]},
                                {peers[0]: "a:1", peers[1]: "b:2"}, NOW)  # fmt: skip
-    b = messages.BroadcastPlan(7, {peers[2]: peers[1], peers[1]: peers[0]}, {peers[0]: [peers[1]]},
+    b = messages.BroadcastPlan(7, 1, {peers[2]: [peers[1]], peers[1]: [peers[0]]}, {peers[0]: [[peers[1]]]},
                                {peers[1]: "b:2", peers[0]: "a:1"}, NOW)  # fmt: skip
-    assert list(a.parent_of) != list(b.parent_of)
+    assert list(a.parents) != list(b.parents)
     ea, eb = seal(HUB, a, now=NOW, nonce=NONCE), seal(HUB, b, now=NOW, nonce=NONCE)
     assert ea == eb  # Ed25519 is deterministic, so identical bytes means identical signed bytes
     pa = canonical.decode(ea, max_size=1 << 20)["p"]

@@ -47,7 +47,7 @@ def corpus() -> list[bytes]:
         messages.AdmissionRequest(PEER, "tok", make_announce()),
         messages.AdmissionDecision(PEER, False, "full", "127.0.0.1:9", -1, 2),
         messages.TaskDecline("t-1", b"\x01" * 32, PEER, "busy", "queue full"),
-        messages.BroadcastPlan(3, {PEER: IDENTITIES[1].peer_id}, {PEER: [PEER]}, {PEER: "a:1"}, NOW),
+        messages.BroadcastPlan(3, 1, {PEER: [IDENTITIES[1].peer_id]}, {PEER: [[PEER]]}, {PEER: "a:1"}, NOW),
         messages.ChunkHave(PEER, 3, b"\xf0\x01"),
         messages.ChunkRequest(3, [0, 5, 9]),
         messages.HoldsVersion(PEER, 3, 1.0),

@@ -1,0 +1,690 @@
+"""The hub's durable state: one SQLite file plus checkpoint files in the hub directory.
+
+Why SQLite: the hub restarts (crash, upgrade, `echo2 hub run` again) and must keep the fleet's
+history - admissions and bans, the ledger, policy versions - and every accepted result that the
+learner has not trained on yet, so no paid-for rollout is lost. The database is opened in WAL mode
+(readers such as `echo2 hub nodes` never block the running hub) and migrated on open from the
+ordered :data:`MIGRATIONS` list; ``schema_version`` records how far a file has been migrated.
+
+Every public method is one short transaction and returns plain values; callers never write SQL.
+The calls block (fsync), so the trio hub calls them through ``trio.to_thread.run_sync``; a lock
+makes the connection safe to use from those worker threads.
+
+Exactly-once training across restarts: an accepted result's payload is kept until a checkpoint
+covers the step that trained it. ``mark_trained(task_ids, step)`` records the step;
+``pending_results(after_step)`` returns results never trained *or* trained by a step later than
+the checkpoint the hub resumed from (that step's weights were lost with the crash).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import sqlite3
+import threading
+import time
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from .ledger import AccountRow, NodeRow, hardware_summary, ledger_csv, render_ledger, render_nodes, totals_of
+
+log = logging.getLogger(__name__)
+
+DB_NAME = "hub.sqlite"
+CHECKPOINT_DIR = "checkpoints"
+_CKPT_RE = re.compile(r"^step-(\d+)\.pt$")
+
+# Append only: a released migration is never edited; a schema change is a new entry.
+MIGRATIONS: list[str] = [
+    # 1: initial schema
+    """
+    CREATE TABLE nodes (
+        peer_id TEXT PRIMARY KEY,
+        first_seen REAL NOT NULL,
+        last_seen REAL NOT NULL,
+        announce TEXT,
+        price REAL NOT NULL DEFAULT 0,
+        measured_rate REAL,
+        reputation REAL NOT NULL DEFAULT 0.5,
+        state TEXT NOT NULL DEFAULT 'new',
+        banned INTEGER NOT NULL DEFAULT 0,
+        ban_reason TEXT NOT NULL DEFAULT ''
+    );
+    CREATE TABLE admissions (
+        id INTEGER PRIMARY KEY AUTOINCREMENT,
+        peer_id TEXT NOT NULL,
+        at REAL NOT NULL,
+        admitted INTEGER NOT NULL,
+        code TEXT NOT NULL,
+        reason TEXT NOT NULL
+    );
+    CREATE INDEX admissions_peer ON admissions(peer_id);
+    CREATE TABLE allowlist (
+        peer_id TEXT PRIMARY KEY,
+        added_at REAL NOT NULL,
+        note TEXT NOT NULL DEFAULT ''
+    );
+    CREATE TABLE tasks (
+        task_id TEXT PRIMARY KEY,
+        node TEXT NOT NULL,
+        issued_at REAL NOT NULL,
+        deadline REAL NOT NULL,
+        n_rollouts INTEGER NOT NULL,
+        status TEXT NOT NULL DEFAULT 'issued',
+        closed_at REAL
+    );
+    CREATE INDEX tasks_status ON tasks(status);
+    CREATE TABLE results (
+        id INTEGER PRIMARY KEY AUTOINCREMENT,
+        task_id TEXT NOT NULL,
+        node TEXT NOT NULL,
+        version INTEGER NOT NULL,
+        accepted INTEGER NOT NULL,
+        reason TEXT NOT NULL,
+        tokens INTEGER NOT NULL,
+        rollouts INTEGER NOT NULL,
+        received_at REAL NOT NULL,
+        payload BLOB,
+        trained_step INTEGER
+    );
+    CREATE INDEX results_task ON results(task_id);
+    CREATE INDEX results_pending ON results(accepted, trained_step);
+    CREATE TABLE versions (
+        version INTEGER PRIMARY KEY,
+        published_at REAL NOT NULL,
+        total_bytes INTEGER NOT NULL,
+        encoded_bytes INTEGER NOT NULL,
+        first_s REAL,
+        median_s REAL,
+        last_s REAL,
+        nodes INTEGER NOT NULL DEFAULT 0
+    );
+    CREATE TABLE ledger (
+        peer_id TEXT PRIMARY KEY,
+        price REAL NOT NULL,
+        active_s REAL NOT NULL,
+        cost_usd REAL NOT NULL,
+        accepted_results INTEGER NOT NULL,
+        accepted_rollouts INTEGER NOT NULL,
+        accepted_tokens INTEGER NOT NULL,
+        refused_by_reason TEXT NOT NULL,
+        saved_at REAL NOT NULL
+    );
+    CREATE TABLE checkpoints (
+        step INTEGER PRIMARY KEY,
+        path TEXT NOT NULL,
+        created REAL NOT NULL,
+        bytes INTEGER NOT NULL
+    );
+    """,
+    # 2: reputation state (window of recent checks) survives restarts; small key-value table
+    """
+    ALTER TABLE nodes ADD COLUMN rep_state TEXT NOT NULL DEFAULT '{}';
+    CREATE TABLE meta (
+        key TEXT PRIMARY KEY,
+        value TEXT NOT NULL
+    );
+    """,
+]
+
+
+class StoreError(RuntimeError):
+    """The hub database cannot be used (newer schema, corrupt file)."""
+
+
+@dataclass(frozen=True)
+class NodeRecord:
+    peer_id: str
+    first_seen: float
+    last_seen: float
+    announce: dict[str, Any] | None
+    price: float
+    measured_rate: float | None
+    reputation: float
+    state: str
+    banned: bool
+    ban_reason: str
+    rep_state: dict[str, Any]
+
+
+@dataclass(frozen=True)
+class AdmissionRecord:
+    peer_id: str
+    at: float
+    admitted: bool
+    code: str
+    reason: str
+
+
+@dataclass(frozen=True)
+class TaskRecord:
+    task_id: str
+    node: str
+    issued_at: float
+    deadline: float
+    n_rollouts: int
+    status: str
+    closed_at: float | None
+
+
+@dataclass(frozen=True)
+class PendingResult:
+    """An accepted result whose rollouts are not yet covered by a checkpoint."""
+
+    task_id: str
+    node: str
+    version: int
+    tokens: int
+    rollouts: int
+    received_at: float
+    payload: bytes
+
+
+@dataclass(frozen=True)
+class VersionRecord:
+    version: int
+    published_at: float
+    total_bytes: int
+    encoded_bytes: int
+    first_s: float | None
+    median_s: float | None
+    last_s: float | None
+    nodes: int
+
+
+class HubStore:
+    """SQLite-backed hub state. ``path`` is the database file (conventionally DIR/hub.sqlite);
+    checkpoints go to ``checkpoint_dir`` (default: a ``checkpoints`` folder beside it)."""
+
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        *,
+        checkpoint_dir: str | os.PathLike[str] | None = None,
+        keep_checkpoints: int = 3,
+    ) -> None:
+        if keep_checkpoints < 1:
+            raise ValueError("keep_checkpoints must be >= 1")
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.checkpoint_dir = Path(checkpoint_dir) if checkpoint_dir is not None else self.path.parent / CHECKPOINT_DIR
+        self.keep_checkpoints = keep_checkpoints
+        self._lock = threading.Lock()
+        # isolation_level=None: we issue BEGIN/COMMIT ourselves so each method is one transaction.
+        self._db = sqlite3.connect(str(self.path), isolation_level=None, check_same_thread=False, timeout=10.0)
+        try:
+            self._db.execute("PRAGMA journal_mode=WAL")
+            self._db.execute("PRAGMA synchronous=NORMAL")
+            self._db.execute("PRAGMA foreign_keys=ON")
+            self._migrate()
+        except sqlite3.DatabaseError as exc:
+            self._db.close()
+            raise StoreError(f"cannot open hub database {self.path}: {exc}") from exc
+
+    @classmethod
+    def in_dir(cls, hub_dir: str | os.PathLike[str], **kw: Any) -> HubStore:
+        return cls(Path(hub_dir) / DB_NAME, **kw)
+
+    def close(self) -> None:
+        with self._lock:
+            self._db.close()
+
+    def __enter__(self) -> HubStore:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # --- plumbing --------------------------------------------------------------------------------
+    @contextmanager
+    def _tx(self) -> Iterator[sqlite3.Connection]:
+        with self._lock:
+            self._db.execute("BEGIN IMMEDIATE")
+            try:
+                yield self._db
+            except BaseException:
+                self._db.execute("ROLLBACK")
+                raise
+            self._db.execute("COMMIT")
+
+    def _read(self, sql: str, args: tuple[Any, ...] = ()) -> list[tuple[Any, ...]]:
+        with self._lock:
+            return list(self._db.execute(sql, args).fetchall())
+
+    def _migrate(self) -> None:
+        with self._tx() as db:
+            db.execute("CREATE TABLE IF NOT EXISTS schema_version (version INTEGER NOT NULL)")
+            row = db.execute("SELECT MAX(version) FROM schema_version").fetchone()
+            current = int(row[0]) if row and row[0] is not None else 0
+            if current > len(MIGRATIONS):
+                raise StoreError(
+                    f"{self.path} has schema version {current}, newer than this echo2 ({len(MIGRATIONS)}); upgrade echo2"
+                )
+            for i in range(current, len(MIGRATIONS)):
+                # executescript would COMMIT our transaction; run the statements one by one.
+                for stmt in _statements(MIGRATIONS[i]):
+                    db.execute(stmt)
+                db.execute("INSERT INTO schema_version (version) VALUES (?)", (i + 1,))
+                log.info("hub database %s migrated to schema version %d", self.path, i + 1)
+
+    def schema_version(self) -> int:
+        row = self._read("SELECT MAX(version) FROM schema_version")
+        return int(row[0][0] or 0)
+
+    # --- nodes -----------------------------------------------------------------------------------
+    def upsert_node(
+        self,
+        peer_id: str,
+        now: float,
+        *,
+        announce: dict[str, Any] | None = None,
+        price: float | None = None,
+        state: str | None = None,
+    ) -> None:
+        """Record that ``peer_id`` was seen (creating it if new); given fields are updated."""
+        ann = json.dumps(announce, sort_keys=True) if announce is not None else None
+        with self._tx() as db:
+            db.execute(
+                "INSERT INTO nodes (peer_id, first_seen, last_seen, announce, price, state)"
+                " VALUES (?, ?, ?, ?, ?, ?)"
+                " ON CONFLICT(peer_id) DO UPDATE SET last_seen = excluded.last_seen",
+                (peer_id, now, now, ann, price or 0.0, state or "new"),
+            )
+            if ann is not None:
+                db.execute("UPDATE nodes SET announce = ? WHERE peer_id = ?", (ann, peer_id))
+            if price is not None:
+                db.execute("UPDATE nodes SET price = ? WHERE peer_id = ?", (float(price), peer_id))
+            if state is not None:
+                db.execute("UPDATE nodes SET state = ? WHERE peer_id = ?", (state, peer_id))
+
+    def set_node_state(self, peer_id: str, state: str) -> None:
+        with self._tx() as db:
+            db.execute("UPDATE nodes SET state = ? WHERE peer_id = ?", (state, peer_id))
+
+    def set_measured_rate(self, peer_id: str, rate: float) -> None:
+        with self._tx() as db:
+            db.execute("UPDATE nodes SET measured_rate = ? WHERE peer_id = ?", (float(rate), peer_id))
+
+    def set_reputation(self, peer_id: str, score: float, rep_state: dict[str, Any] | None = None) -> None:
+        st = json.dumps(rep_state if rep_state is not None else {}, sort_keys=True)
+        with self._tx() as db:
+            db.execute(
+                "UPDATE nodes SET reputation = ?, rep_state = ? WHERE peer_id = ?", (float(score), st, peer_id)
+            )
+
+    def get_node(self, peer_id: str) -> NodeRecord | None:
+        rows = self._read(f"SELECT {_NODE_COLS} FROM nodes WHERE peer_id = ?", (peer_id,))
+        return _node(rows[0]) if rows else None
+
+    def list_nodes(self) -> list[NodeRecord]:
+        return [_node(r) for r in self._read(f"SELECT {_NODE_COLS} FROM nodes ORDER BY first_seen, peer_id")]
+
+    # --- bans ------------------------------------------------------------------------------------
+    def ban(self, peer_id: str, reason: str, now: float) -> None:
+        """Ban ``peer_id`` (also one never seen); enforced at connect time via :meth:`ban_reason`."""
+        with self._tx() as db:
+            db.execute(
+                "INSERT INTO nodes (peer_id, first_seen, last_seen, state, banned, ban_reason)"
+                " VALUES (?, ?, ?, 'banned', 1, ?)"
+                " ON CONFLICT(peer_id) DO UPDATE SET banned = 1, ban_reason = excluded.ban_reason, state = 'banned'",
+                (peer_id, now, now, reason),
+            )
+            db.execute("DELETE FROM allowlist WHERE peer_id = ?", (peer_id,))
+
+    def unban(self, peer_id: str) -> bool:
+        with self._tx() as db:
+            cur = db.execute(
+                "UPDATE nodes SET banned = 0, ban_reason = '', state = 'left' WHERE peer_id = ? AND banned = 1",
+                (peer_id,),
+            )
+            return cur.rowcount > 0
+
+    def ban_reason(self, peer_id: str) -> str | None:
+        """The ban reason if ``peer_id`` is banned, else None (the admission callback)."""
+        rows = self._read("SELECT ban_reason FROM nodes WHERE peer_id = ? AND banned = 1", (peer_id,))
+        return (rows[0][0] or "banned") if rows else None
+
+    def banned(self) -> dict[str, str]:
+        return {p: r for p, r in self._read("SELECT peer_id, ban_reason FROM nodes WHERE banned = 1")}
+
+    # --- allowlist and admissions ----------------------------------------------------------------
+    def allow(self, peer_id: str, now: float, note: str = "") -> None:
+        """`echo2 hub admit PEER_ID`: add to the allowlist (works while the hub runs)."""
+        with self._tx() as db:
+            db.execute(
+                "INSERT INTO allowlist (peer_id, added_at, note) VALUES (?, ?, ?)"
+                " ON CONFLICT(peer_id) DO UPDATE SET note = excluded.note",
+                (peer_id, now, note),
+            )
+
+    def disallow(self, peer_id: str) -> bool:
+        with self._tx() as db:
+            return db.execute("DELETE FROM allowlist WHERE peer_id = ?", (peer_id,)).rowcount > 0
+
+    def is_allowed(self, peer_id: str) -> bool:
+        return bool(self._read("SELECT 1 FROM allowlist WHERE peer_id = ?", (peer_id,)))
+
+    def allowlist(self) -> set[str]:
+        return {r[0] for r in self._read("SELECT peer_id FROM allowlist")}
+
+    def log_admission(self, peer_id: str, now: float, admitted: bool, code: str, reason: str) -> None:
+        with self._tx() as db:
+            db.execute(
+                "INSERT INTO admissions (peer_id, at, admitted, code, reason) VALUES (?, ?, ?, ?, ?)",
+                (peer_id, now, int(admitted), code, reason),
+            )
+
+    def admissions(self, peer_id: str | None = None, limit: int = 100) -> list[AdmissionRecord]:
+        """The most recent admission decisions, newest first."""
+        if peer_id is None:
+            rows = self._read("SELECT peer_id, at, admitted, code, reason FROM admissions ORDER BY id DESC LIMIT ?", (limit,))
+        else:
+            rows = self._read(
+                "SELECT peer_id, at, admitted, code, reason FROM admissions WHERE peer_id = ? ORDER BY id DESC LIMIT ?",
+                (peer_id, limit),
+            )
+        return [AdmissionRecord(p, at, bool(a), c, r) for p, at, a, c, r in rows]
+
+    # --- tasks -----------------------------------------------------------------------------------
+    def record_task(self, task_id: str, node: str, issued_at: float, deadline: float, n_rollouts: int) -> None:
+        with self._tx() as db:
+            db.execute(
+                "INSERT OR REPLACE INTO tasks (task_id, node, issued_at, deadline, n_rollouts, status, closed_at)"
+                " VALUES (?, ?, ?, ?, ?, 'issued', NULL)",
+                (task_id, node, issued_at, deadline, n_rollouts),
+            )
+
+    def close_task(self, task_id: str, status: str, now: float) -> None:
+        """``status``: e.g. done | declined | expired | node_left | stale."""
+        with self._tx() as db:
+            db.execute("UPDATE tasks SET status = ?, closed_at = ? WHERE task_id = ?", (status, now, task_id))
+
+    def get_task(self, task_id: str) -> TaskRecord | None:
+        rows = self._read(
+            "SELECT task_id, node, issued_at, deadline, n_rollouts, status, closed_at FROM tasks WHERE task_id = ?",
+            (task_id,),
+        )
+        return TaskRecord(*rows[0]) if rows else None
+
+    def task_counts(self) -> dict[str, int]:
+        return {s: n for s, n in self._read("SELECT status, COUNT(*) FROM tasks GROUP BY status")}
+
+    # --- results ---------------------------------------------------------------------------------
+    def record_result(
+        self,
+        task_id: str,
+        node: str,
+        version: int,
+        *,
+        accepted: bool,
+        reason: str,
+        tokens: int,
+        rollouts: int,
+        received_at: float,
+        payload: bytes | None = None,
+    ) -> int:
+        """Log a result. For an accepted one, ``payload`` is whatever the hub needs to rebuild its
+        training groups after a restart; it is kept until a checkpoint covers its training step."""
+        if accepted and payload is None:
+            raise ValueError("an accepted result needs its payload (it is kept until trained)")
+        with self._tx() as db:
+            cur = db.execute(
+                "INSERT INTO results (task_id, node, version, accepted, reason, tokens, rollouts, received_at, payload)"
+                " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                (task_id, node, version, int(accepted), reason, tokens, rollouts, received_at,
+                 payload if accepted else None),
+            )
+            return int(cur.lastrowid or 0)
+
+    def pending_results(self, after_step: int | None = None) -> list[PendingResult]:
+        """Accepted results to put back into the buffer on resume: never trained, or trained by a
+        step after ``after_step`` (the resumed checkpoint's step), in arrival order."""
+        cond = "trained_step IS NULL" if after_step is None else "(trained_step IS NULL OR trained_step > ?)"
+        args: tuple[Any, ...] = () if after_step is None else (after_step,)
+        rows = self._read(
+            "SELECT task_id, node, version, tokens, rollouts, received_at, payload FROM results"
+            f" WHERE accepted = 1 AND payload IS NOT NULL AND {cond} ORDER BY id",
+            args,
+        )
+        return [PendingResult(t, n, v, tok, ro, at, bytes(p)) for t, n, v, tok, ro, at, p in rows]
+
+    def mark_trained(self, task_ids: Iterable[str], step: int) -> int:
+        """Record that the learner step ``step`` consumed these results; returns rows updated."""
+        ids = list(dict.fromkeys(task_ids))
+        n = 0
+        with self._tx() as db:
+            for i in range(0, len(ids), 500):
+                part = ids[i : i + 500]
+                q = ",".join("?" * len(part))
+                n += db.execute(
+                    f"UPDATE results SET trained_step = ? WHERE accepted = 1 AND task_id IN ({q})", (step, *part)
+                ).rowcount
+        return n
+
+    def drop_pending(self, task_ids: Iterable[str], reason: str) -> int:
+        """Results that will never be trained (e.g. stale after a resume): free their payload."""
+        ids = list(dict.fromkeys(task_ids))
+        n = 0
+        with self._tx() as db:
+            for i in range(0, len(ids), 500):
+                part = ids[i : i + 500]
+                q = ",".join("?" * len(part))
+                n += db.execute(
+                    f"UPDATE results SET payload = NULL, reason = ? WHERE accepted = 1 AND trained_step IS NULL"
+                    f" AND task_id IN ({q})",
+                    (reason, *part),
+                ).rowcount
+        return n
+
+    def prune_payloads(self, upto_step: int) -> int:
+        """Free payloads of results trained at or before a checkpointed step."""
+        with self._tx() as db:
+            return db.execute(
+                "UPDATE results SET payload = NULL WHERE payload IS NOT NULL AND trained_step IS NOT NULL"
+                " AND trained_step <= ?",
+                (upto_step,),
+            ).rowcount
+
+    def result_counts(self) -> dict[str, int]:
+        """Results by outcome: ``accepted`` and one key per refusal reason."""
+        out: dict[str, int] = {}
+        for acc, reason, n in self._read("SELECT accepted, reason, COUNT(*) FROM results GROUP BY accepted, reason"):
+            key = "accepted" if acc else reason
+            out[key] = out.get(key, 0) + int(n)
+        return out
+
+    # --- policy versions ---------------------------------------------------------------------------
+    def record_version(self, version: int, published_at: float, total_bytes: int, encoded_bytes: int) -> None:
+        with self._tx() as db:
+            db.execute(
+                "INSERT OR REPLACE INTO versions (version, published_at, total_bytes, encoded_bytes)"
+                " VALUES (?, ?, ?, ?)",
+                (version, published_at, total_bytes, encoded_bytes),
+            )
+
+    def set_version_times(
+        self, version: int, first_s: float | None, median_s: float | None, last_s: float | None, nodes: int
+    ) -> None:
+        """Broadcast times (seconds from publication to the first/median/last node holding it)."""
+        with self._tx() as db:
+            db.execute(
+                "UPDATE versions SET first_s = ?, median_s = ?, last_s = ?, nodes = ? WHERE version = ?",
+                (first_s, median_s, last_s, nodes, version),
+            )
+
+    def versions(self, limit: int = 100) -> list[VersionRecord]:
+        """The newest ``limit`` versions, oldest first."""
+        rows = self._read(
+            "SELECT version, published_at, total_bytes, encoded_bytes, first_s, median_s, last_s, nodes"
+            " FROM versions ORDER BY version DESC LIMIT ?",
+            (limit,),
+        )
+        return [VersionRecord(*r) for r in reversed(rows)]
+
+    # --- ledger ----------------------------------------------------------------------------------
+    def save_ledger(self, rows: Iterable[AccountRow], now: float) -> None:
+        """Persist a :meth:`Ledger.snapshot` (upsert per node)."""
+        with self._tx() as db:
+            db.executemany(
+                "INSERT OR REPLACE INTO ledger (peer_id, price, active_s, cost_usd, accepted_results,"
+                " accepted_rollouts, accepted_tokens, refused_by_reason, saved_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                [
+                    (r.peer_id, r.price_usd_per_hour, r.active_s, r.cost_usd, r.accepted_results,
+                     r.accepted_rollouts, r.accepted_tokens, json.dumps(r.refused_by_reason, sort_keys=True), now)
+                    for r in rows
+                ],
+            )
+
+    def load_ledger(self) -> list[AccountRow]:
+        """The persisted accounts (all inactive): feed to :meth:`Ledger.restore`."""
+        rows = self._read(
+            "SELECT peer_id, price, active_s, cost_usd, accepted_results, accepted_rollouts, accepted_tokens,"
+            " refused_by_reason FROM ledger ORDER BY peer_id"
+        )
+        out = []
+        for p, price, act, cost, res, ro, tok, ref in rows:
+            by_reason = {str(k): int(v) for k, v in json.loads(ref).items()}
+            out.append(AccountRow(p, price, False, act, cost, res, ro, tok, sum(by_reason.values()), by_reason))
+        return out
+
+    # --- meta --------------------------------------------------------------------------------------
+    def set_meta(self, key: str, value: Any) -> None:
+        with self._tx() as db:
+            db.execute("INSERT OR REPLACE INTO meta (key, value) VALUES (?, ?)", (key, json.dumps(value)))
+
+    def get_meta(self, key: str, default: Any = None) -> Any:
+        rows = self._read("SELECT value FROM meta WHERE key = ?", (key,))
+        return json.loads(rows[0][0]) if rows else default
+
+    # --- checkpoints ---------------------------------------------------------------------------------
+    def save_checkpoint(self, step: int, state: dict[str, Any]) -> Path:
+        """``torch.save`` ``state`` to checkpoints/step-N.pt atomically; keep the newest K."""
+        import torch
+
+        if step < 0:
+            raise ValueError("step must be >= 0")
+        self.checkpoint_dir.mkdir(parents=True, exist_ok=True)
+        final = self.checkpoint_dir / f"step-{step}.pt"
+        tmp = self.checkpoint_dir / f".step-{step}.pt.tmp"
+        with open(tmp, "wb") as f:
+            torch.save(state, f)
+            f.flush()
+            os.fsync(f.fileno())
+        size = tmp.stat().st_size
+        os.replace(tmp, final)
+        _fsync_dir(self.checkpoint_dir)
+        with self._tx() as db:
+            db.execute(
+                "INSERT OR REPLACE INTO checkpoints (step, path, created, bytes) VALUES (?, ?, ?, ?)",
+                (step, final.name, time.time(), size),
+            )
+        self._prune_checkpoints()
+        return final
+
+    def _checkpoint_files(self) -> list[tuple[int, Path]]:
+        # The directory, not the table, is the truth: a crash between os.replace and the INSERT
+        # still leaves a usable checkpoint.
+        if not self.checkpoint_dir.is_dir():
+            return []
+        out = []
+        for p in self.checkpoint_dir.iterdir():
+            m = _CKPT_RE.match(p.name)
+            if m:
+                out.append((int(m.group(1)), p))
+        return sorted(out)
+
+    def _prune_checkpoints(self) -> None:
+        files = self._checkpoint_files()
+        old = files[: -self.keep_checkpoints]
+        for step, p in old:
+            p.unlink(missing_ok=True)
+        for p in self.checkpoint_dir.glob(".step-*.pt.tmp"):
+            p.unlink(missing_ok=True)  # leftovers of a crash mid-write
+        if old:
+            with self._tx() as db:
+                db.executemany("DELETE FROM checkpoints WHERE step = ?", [(s,) for s, _ in old])
+
+    def checkpoint_steps(self) -> list[int]:
+        return [s for s, _ in self._checkpoint_files()]
+
+    def latest_checkpoint(self) -> tuple[int, dict[str, Any]] | None:
+        """The newest checkpoint that loads, as (step, state); None if there is none."""
+        import torch
+
+        for step, p in reversed(self._checkpoint_files()):
+            try:
+                state = torch.load(p, map_location="cpu", weights_only=True)
+            except Exception as exc:  # a damaged file must not stop the hub from resuming an older one
+                log.error("checkpoint %s cannot be loaded (%s); trying an older one", p, exc)
+                continue
+            if isinstance(state, dict):
+                return step, state
+            log.error("checkpoint %s does not hold a dict; ignored", p)
+        return None
+
+    # --- operator reports (`echo2 hub nodes`, `echo2 hub ledger`) -----------------------------------
+    def node_rows(self) -> list[NodeRow]:
+        cost = {r.peer_id: r.cost_usd for r in self.load_ledger()}
+        return [
+            NodeRow(
+                peer_id=n.peer_id,
+                hardware=hardware_summary(n.announce),
+                price_usd_per_hour=n.price,
+                measured_rate=n.measured_rate,
+                reputation=n.reputation,
+                state="banned" if n.banned else n.state,
+                cost_usd=cost.get(n.peer_id, 0.0),
+            )
+            for n in self.list_nodes()
+        ]
+
+    def nodes_report(self) -> str:
+        return render_nodes(self.node_rows())
+
+    def ledger_report(self, *, as_csv: bool = False) -> str:
+        rows = self.load_ledger()
+        return ledger_csv(rows, totals_of(rows)) if as_csv else render_ledger(rows, totals_of(rows))
+
+
+_NODE_COLS = (
+    "peer_id, first_seen, last_seen, announce, price, measured_rate, reputation, state, banned, ban_reason, rep_state"
+)
+
+
+def _node(r: tuple[Any, ...]) -> NodeRecord:
+    return NodeRecord(
+        peer_id=r[0],
+        first_seen=r[1],
+        last_seen=r[2],
+        announce=json.loads(r[3]) if r[3] else None,
+        price=r[4],
+        measured_rate=r[5],
+        reputation=r[6],
+        state=r[7],
+        banned=bool(r[8]),
+        ban_reason=r[9],
+        rep_state=json.loads(r[10]) if r[10] else {},
+    )
+
+
+def _statements(script: str) -> list[str]:
+    # Migrations hold no string literals containing ';', so a plain split is exact.
+    return [s.strip() for s in script.split(";") if s.strip()]
+
+
+def _fsync_dir(d: Path) -> None:
+    try:
+        fd = os.open(d, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
