@@ -256,7 +256,9 @@ class ArithEnv:
             "a*b+c": a * b + c,
         }[kind]
         q = tmpl.format(name=name, pron=pron, pron_l=pron.lower(), thing=thing, a=a, b=b, c=c, ab=ab)
-        return PromptItem(text=self.prompt_template.format(question=q), answer=str(answer), meta={"kind": kind})
+        return PromptItem(
+            text=self.prompt_template.format(question=q), answer=str(answer), meta={"kind": kind}
+        )
 
     def sample_prompts(self, n: int, rng: random.Random) -> list[PromptItem]:
         return [self._one(rng) for _ in range(n)]

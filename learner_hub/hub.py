@@ -7,6 +7,7 @@ worker thread, and a status file the demo and operators read.
 
 from __future__ import annotations
 
+import copy
 import json
 import logging
 import os
@@ -103,6 +104,8 @@ class Hub:
         else:
             model, self.model_config, self.artifacts = modelspec.load_local_model(cfg.model)
         self.tok = modelspec.load_tokenizer(self.artifacts)
+        # The KL reference is the initial policy, frozen.
+        ref_model = copy.deepcopy(model).eval().requires_grad_(False) if cfg.kl_coef > 0 else None
         self.learner = Learner(
             model,
             self.tok,
@@ -113,6 +116,7 @@ class Hub:
             dtype=dtype,
             publish_dtype=torch.bfloat16 if cfg.publish_dtype == "bfloat16" else torch.float32,
             seed=cfg.seed,
+            ref_model=ref_model,
         )
         env_kw: dict[str, Any] = {}
         if cfg.task == "jsonl":

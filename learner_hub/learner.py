@@ -18,6 +18,7 @@ Numerics, chosen so the learner's log-probs are comparable with what nodes repor
 from __future__ import annotations
 
 import contextlib
+import copy
 import logging
 import math
 import time
@@ -127,7 +128,8 @@ class Learner:
             raise ValueError(f"unsupported publish dtype {publish_dtype}")
         if kl_coef and ref_model is None:
             raise ValueError("kl_coef > 0 needs a ref_model")
-        torch.manual_seed(seed)
+        # The update itself is deterministic; the seed is recorded (checkpoints) for the caller's
+        # sampling, and the global torch RNG is left alone.
         self.device = torch.device(device) if device is not None else next(model.parameters()).device
         self.model = model.to(device=self.device, dtype=torch.float32)
         self.model.eval()
@@ -364,7 +366,8 @@ class Learner:
         return {
             "version": self.version,
             "model": {k: v.detach().to("cpu").clone() for k, v in self.model.state_dict().items()},
-            "optimizer": self.optimizer.state_dict(),
+            # deep copy: state_dict() hands out the live moment tensors, which the next step mutates
+            "optimizer": copy.deepcopy(self.optimizer.state_dict()),
             "seed": self.seed,
         }
 

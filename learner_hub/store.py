@@ -601,7 +601,7 @@ class HubStore:
     def _prune_checkpoints(self) -> None:
         files = self._checkpoint_files()
         old = files[: -self.keep_checkpoints]
-        for step, p in old:
+        for _step, p in old:
             p.unlink(missing_ok=True)
         for p in self.checkpoint_dir.glob(".step-*.pt.tmp"):
             p.unlink(missing_ok=True)  # leftovers of a crash mid-write

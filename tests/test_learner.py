@@ -84,8 +84,10 @@ def test_step_changes_weights_and_reports_stats() -> None:
     assert learner.version == 1 and st.version == 1
     after = learner.state_dict_for_publish()
     assert any(not torch.equal(before[k], after[k]) for k in before)
-    assert st.sequences == 16 and st.groups == 4 and st.tokens == sum(
-        len(s.token_ids) for g in groups for s in g.samples
+    assert (
+        st.sequences == 16
+        and st.groups == 4
+        and st.tokens == sum(len(s.token_ids) for g in groups for s in g.samples)
     )
     # on-policy rollouts: ratio 1, nothing clipped, node log-probs verified
     assert st.ratio_mean == pytest.approx(1.0, abs=1e-4)
@@ -142,7 +144,9 @@ def test_publish_dtype_and_checkpoint_roundtrip() -> None:
     model, mc, arts, tok = _setup()
     learner = Learner(model, tok, lr=1e-3, publish_dtype=torch.bfloat16)
     pub = learner.state_dict_for_publish()
-    assert all(v.dtype == torch.bfloat16 and v.is_contiguous() and v.device.type == "cpu" for v in pub.values())
+    assert all(
+        v.dtype == torch.bfloat16 and v.is_contiguous() and v.device.type == "cpu" for v in pub.values()
+    )
     eng = TransformersEngine(device="cpu")
     groups = _rollout(learner, eng, make_env("copy"), tok, mc, arts, 2, 4, random.Random(2), 4)
     groups[0].samples[0].reward = 1.0

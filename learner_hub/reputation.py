@@ -1,0 +1,192 @@
+"""Node reputation and automatic bans (BRIEF section 7): pure, no clock, no I/O.
+
+The learner recomputes the log-probabilities of every completion; a node whose reported
+behaviour log-probs disagree with the recompute either runs a different policy than it claims or
+invents numbers. Reputation is a score in [0, 1] per node:
+
+* an accepted result moves it up a little (``score += gain * (1 - score)``), so trust is earned
+  slowly and is worth more the longer a node behaves;
+* a log-prob mismatch multiplies it by ``mismatch_factor``; a claim of throughput far above the
+  hub-measured rate or a timed-out task by milder factors;
+* forged or invalid data (wrong task hash, another node's name, ids outside the vocabulary,
+  non-finite numbers) sets it to 0 and bans at once: honest software never produces it.
+
+Ban rules: ``max_mismatches`` mismatches within the last ``window`` checked results, any forged
+result, or the score falling below ``ban_below``. One mismatch alone never bans, because
+numerics across hardware (bf16 kernels, vLLM vs transformers) can exceed a tolerance once.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from enum import StrEnum
+from typing import Any
+
+
+class Event(StrEnum):
+    ACCEPTED = "accepted"  # a result passed every check and entered the buffer
+    CHECK_OK = "check_ok"  # log-probs recomputed and matched
+    MISMATCH = "mismatch"  # log-probs recomputed and did not match
+    FORGED = "forged"  # provably false data
+    OVERCLAIM = "overclaim"  # announced rate far above the measured one
+    TIMEOUT = "timeout"  # an assigned task expired unanswered
+
+
+@dataclass(frozen=True)
+class ReputationConfig:
+    initial: float = 0.5
+    gain: float = 0.02
+    mismatch_factor: float = 0.7
+    overclaim_factor: float = 0.9
+    timeout_factor: float = 0.95
+    window: int = 20
+    max_mismatches: int = 3
+    ban_below: float = 0.02
+    overclaim_ratio: float = 3.0  # claimed / measured above this is an overclaim
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.initial <= 1.0 or not 0.0 < self.gain < 1.0:
+            raise ValueError("need 0 <= initial <= 1 and 0 < gain < 1")
+        for f in (self.mismatch_factor, self.overclaim_factor, self.timeout_factor):
+            if not 0.0 <= f <= 1.0:
+                raise ValueError("penalty factors must be in [0, 1]")
+        if self.window < 1 or not 1 <= self.max_mismatches <= self.window:
+            raise ValueError("need window >= 1 and 1 <= max_mismatches <= window")
+
+
+@dataclass
+class NodeReputation:
+    score: float
+    checks: deque[bool] = field(default_factory=deque)  # recent checks, True = matched
+    accepted: int = 0
+    mismatches: int = 0
+    forged: int = 0
+    banned: str | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "score": self.score,
+            "checks": [int(c) for c in self.checks],
+            "accepted": self.accepted,
+            "mismatches": self.mismatches,
+            "forged": self.forged,
+            "banned": self.banned,
+        }
+
+
+@dataclass(frozen=True)
+class Outcome:
+    score: float
+    ban: str | None  # set when this event (newly) bans the node: the reason to persist
+
+
+class ReputationBook:
+    """Reputation of every node the hub has seen."""
+
+    def __init__(self, config: ReputationConfig | None = None) -> None:
+        self.config = config or ReputationConfig()
+        self._nodes: dict[str, NodeReputation] = {}
+
+    def get(self, peer_id: str) -> NodeReputation:
+        r = self._nodes.get(peer_id)
+        if r is None:
+            r = self._nodes[peer_id] = NodeReputation(self.config.initial, deque(maxlen=self.config.window))
+        return r
+
+    def score(self, peer_id: str) -> float:
+        r = self._nodes.get(peer_id)
+        return r.score if r is not None else self.config.initial
+
+    def is_banned(self, peer_id: str) -> bool:
+        r = self._nodes.get(peer_id)
+        return r is not None and r.banned is not None
+
+    def record(self, peer_id: str, event: Event, detail: str = "") -> Outcome:
+        """Apply ``event``; ``Outcome.ban`` is the reason when the node must now be banned."""
+        c = self.config
+        r = self.get(peer_id)
+        ban: str | None = None
+        if event is Event.ACCEPTED:
+            r.accepted += 1
+            r.score += c.gain * (1.0 - r.score)
+        elif event is Event.CHECK_OK:
+            r.checks.append(True)
+        elif event is Event.MISMATCH:
+            r.checks.append(False)
+            r.mismatches += 1
+            r.score *= c.mismatch_factor
+            recent = sum(1 for ok in r.checks if not ok)
+            if recent >= c.max_mismatches:
+                ban = (
+                    f"{recent} log-prob mismatches in the last {len(r.checks)} checked results"
+                    + (f" ({detail})" if detail else "")
+                )
+        elif event is Event.FORGED:
+            r.forged += 1
+            r.score = 0.0
+            ban = "forged or invalid result" + (f": {detail}" if detail else "")
+        elif event is Event.OVERCLAIM:
+            r.score *= c.overclaim_factor
+        elif event is Event.TIMEOUT:
+            r.score *= c.timeout_factor
+        else:  # pragma: no cover - exhaustive over Event
+            raise ValueError(f"unknown event {event!r}")
+        r.score = min(1.0, max(0.0, r.score))
+        if ban is None and r.score < c.ban_below and event is not Event.ACCEPTED:
+            ban = f"reputation {r.score:.3f} fell below {c.ban_below}"
+        if ban is not None and r.banned is None:
+            r.banned = ban
+            return Outcome(r.score, ban)
+        return Outcome(r.score, None)
+
+    def unban(self, peer_id: str) -> None:
+        """Operator pardon: clears the ban and the window, the score restarts at ``initial``."""
+        r = self.get(peer_id)
+        r.banned = None
+        r.checks.clear()
+        r.score = self.config.initial
+
+    def snapshot(self, peer_id: str) -> dict[str, Any]:
+        return self.get(peer_id).to_json()
+
+    def restore(self, peer_id: str, state: dict[str, Any]) -> None:
+        """Load a :meth:`snapshot` (from the store); malformed fields fall back to defaults."""
+        c = self.config
+        r = NodeReputation(c.initial, deque(maxlen=c.window))
+        score = state.get("score")
+        if isinstance(score, (int, float)) and math.isfinite(score):
+            r.score = min(1.0, max(0.0, float(score)))
+        checks = state.get("checks")
+        if isinstance(checks, list):
+            r.checks.extend(bool(x) for x in checks[-c.window :])
+        for k in ("accepted", "mismatches", "forged"):
+            v = state.get(k)
+            if isinstance(v, int) and v >= 0:
+                setattr(r, k, v)
+        b = state.get("banned")
+        r.banned = b if isinstance(b, str) else None
+        self._nodes[peer_id] = r
+
+
+def check_logprobs(reported: Sequence[float], recomputed: Sequence[float], tol: float) -> tuple[bool, float]:
+    """Do a node's reported log-probs match the learner's recompute within ``tol`` (absolute)?
+    Returns (ok, max |difference|); different lengths or non-finite values never match."""
+    if len(reported) != len(recomputed):
+        return False, math.inf
+    worst = 0.0
+    for a, b in zip(reported, recomputed, strict=True):
+        d = abs(float(a) - float(b))
+        if not math.isfinite(d):
+            return False, math.inf
+        worst = max(worst, d)
+    return worst <= tol, worst
+
+
+def overclaims(claimed_rate: float, measured_rate: float | None, ratio: float = 3.0, min_rate: float = 1e-9) -> bool:
+    """Is a node's announced rate more than ``ratio`` times what the hub measured?"""
+    if measured_rate is None or not math.isfinite(claimed_rate):
+        return False
+    return claimed_rate > ratio * max(measured_rate, min_rate)

@@ -1,0 +1,448 @@
+"""Operator status over HTTP: JSON, a server-rendered HTML page, and Prometheus metrics.
+
+A deliberately tiny HTTP/1.1 server on trio (no dependency): GET only, one request per
+connection (``Connection: close``), request line and headers read with a size limit and a
+timeout, everything else answered 400/405/404/431. It is read-only and binds to 127.0.0.1 by
+default, so exposing it is an explicit operator decision (e.g. through an SSH tunnel).
+
+Routes: ``/status.json`` (``status_provider()``), ``/`` (HTML rendered from the same dict, no
+JavaScript), ``/metrics`` (Prometheus text format 0.0.4 from ``metrics_provider()``).
+"""
+
+from __future__ import annotations
+
+import html
+import json
+import logging
+import math
+import re
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import trio
+
+log = logging.getLogger(__name__)
+
+MAX_REQUEST_BYTES = 8192
+REQUEST_TIMEOUT_S = 5.0
+MAX_CONNECTIONS = 64
+
+_METRIC_NAME = re.compile(r"^[a-zA-Z_:][a-zA-Z0-9_:]*$")
+_LABEL_NAME = re.compile(r"^[a-zA-Z_][a-zA-Z0-9_]*$")
+_TOKEN = re.compile(r"^[!#$%&'*+.^_`|~0-9A-Za-z-]+$")
+
+
+# --- Prometheus exposition -------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Metric:
+    """One metric family: ``samples`` are (labels, value) pairs; ``suffix`` samples such as a
+    histogram's ``_bucket`` are not needed here, so only counter/gauge/untyped are allowed."""
+
+    name: str
+    type: str  # "counter" | "gauge" | "untyped"
+    help: str
+    samples: Sequence[tuple[Mapping[str, str], float]] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if not _METRIC_NAME.match(self.name):
+            raise ValueError(f"invalid metric name {self.name!r}")
+        if self.type not in ("counter", "gauge", "untyped"):
+            raise ValueError(f"unsupported metric type {self.type!r}")
+        for labels, _ in self.samples:
+            for k in labels:
+                if not _LABEL_NAME.match(k) or k.startswith("__"):
+                    raise ValueError(f"invalid label name {k!r} in {self.name}")
+
+
+def gauge(name: str, help: str, value: float | None, **labels: str) -> Metric:
+    return Metric(name, "gauge", help, [] if value is None else [(labels, float(value))])
+
+
+def _escape_label(v: str) -> str:
+    return v.replace("\\", "\\\\").replace("\n", "\\n").replace('"', '\\"')
+
+
+def _escape_help(v: str) -> str:
+    return v.replace("\\", "\\\\").replace("\n", "\\n")
+
+
+def _fmt_value(v: float) -> str:
+    if math.isnan(v):
+        return "NaN"
+    if math.isinf(v):
+        return "+Inf" if v > 0 else "-Inf"
+    if float(v).is_integer() and abs(v) < 2**53:
+        return str(int(v))
+    return repr(float(v))
+
+
+def render_metrics(metrics: Sequence[Metric]) -> str:
+    """Prometheus text exposition format 0.0.4 (families in order; a repeated name is merged)."""
+    out: list[str] = []
+    seen: set[str] = set()
+    for m in metrics:
+        if m.name not in seen:
+            seen.add(m.name)
+            out.append(f"# HELP {m.name} {_escape_help(m.help)}")
+            out.append(f"# TYPE {m.name} {m.type}")
+        for labels, value in m.samples:
+            if labels:
+                lab = ",".join(f'{k}="{_escape_label(str(v))}"' for k, v in labels.items())
+                out.append(f"{m.name}{{{lab}}} {_fmt_value(value)}")
+            else:
+                out.append(f"{m.name} {_fmt_value(value)}")
+    return "\n".join(out) + "\n"
+
+
+def _num(x: Any) -> float | None:
+    if isinstance(x, bool) or not isinstance(x, (int, float)):
+        return None
+    return float(x)
+
+
+def hub_metrics(status: Mapping[str, Any]) -> list[Metric]:
+    """The hub's standard metrics from its status dict (keys as in ``Hub.status()``; missing
+    keys are skipped). Extra keys understood: ``last_train_s``, ``train_s_total``,
+    ``ledger`` (``Totals.as_dict()``), and per node ``state``."""
+    ms: list[Metric] = []
+
+    def g(name: str, help: str, key: str) -> None:
+        v = _num(status.get(key))
+        if v is not None:
+            ms.append(gauge(name, help, v))
+
+    g("echo2_learner_step", "Learner step (= newest policy version trained).", "step")
+    g("echo2_learner_utilization", "Fraction of wall time the learner spends training.", "learner_busy_fraction")
+    g("echo2_learner_step_seconds", "Duration of the last learner step.", "last_train_s")
+    hist = status.get("history")
+    if _num(status.get("last_train_s")) is None and isinstance(hist, list) and hist and isinstance(hist[-1], dict):
+        v = _num(hist[-1].get("train_s"))
+        if v is not None:
+            ms.append(gauge("echo2_learner_step_seconds", "Duration of the last learner step.", v))
+    if isinstance(hist, list):
+        total = sum(_num(h.get("train_s")) or 0.0 for h in hist if isinstance(h, dict))
+        ms.append(Metric("echo2_learner_train_seconds_total", "counter", "Seconds spent in learner steps.", [({}, total)]))
+    g("echo2_policy_latest_version", "Newest published policy version.", "latest_version")
+    acc = _num(status.get("results_accepted"))
+    if acc is not None:
+        ms.append(Metric("echo2_results_accepted_total", "counter", "Results accepted.", [({}, acc)]))
+    ro = _num(status.get("rollouts_accepted"))
+    if ro is not None:
+        ms.append(Metric("echo2_rollouts_accepted_total", "counter", "Rollouts (completions) accepted.", [({}, ro)]))
+    refused = status.get("refused_by_reason")
+    if isinstance(refused, Mapping):
+        samples = [({"reason": str(k)}, float(v)) for k, v in sorted(refused.items()) if _num(v) is not None]
+        ms.append(Metric("echo2_results_refused_total", "counter", "Results and requests refused, by reason.", samples))
+    stale = _num(status.get("stale_dropped"))
+    if stale is not None:
+        ms.append(Metric("echo2_results_stale_dropped_total", "counter", "Results dropped as too stale.", [({}, stale)]))
+    nodes = status.get("nodes")
+    if isinstance(nodes, list):
+        states: dict[str, int] = {}
+        for n in nodes:
+            if isinstance(n, dict):
+                s = str(n.get("state", "active"))
+                states[s] = states.get(s, 0) + 1
+        ms.append(Metric("echo2_nodes", "gauge", "Known nodes by state.", [({"state": s}, float(c)) for s, c in sorted(states.items())]))
+        active = states.get("active", 0)
+        ms.append(gauge("echo2_nodes_active", "Nodes currently active.", active))
+    bc = status.get("broadcast")
+    if isinstance(bc, Mapping):
+        recent = bc.get("recent")
+        if isinstance(recent, list) and recent and isinstance(recent[-1], Mapping):
+            last = recent[-1]
+            samples = [
+                ({"which": w}, v)
+                for w in ("first", "median", "last")
+                if (v := _num(last.get(f"{w}_s"))) is not None
+            ]
+            ms.append(
+                Metric(
+                    "echo2_broadcast_seconds",
+                    "gauge",
+                    "Seconds from publishing the latest measured version until the first/median/last node held it.",
+                    samples,
+                )
+            )
+    led = status.get("ledger")
+    if isinstance(led, Mapping):
+        for key, name, help in (
+            ("cost_usd", "echo2_cost_usd_total", "Total cost of active node time, USD."),
+            ("accepted_tokens", "echo2_tokens_accepted_total", "Generated tokens accepted."),
+        ):
+            v = _num(led.get(key))
+            if v is not None:
+                ms.append(Metric(name, "counter", help, [({}, v)]))
+        v = _num(led.get("usd_per_token"))
+        if v is not None:
+            ms.append(gauge("echo2_usd_per_accepted_token", "Cost per accepted token, USD.", v))
+    return ms
+
+
+def json_safe(x: Any, depth: int = 0) -> Any:
+    """A copy with NaN/inf as None (strict JSON) and non-str keys as str."""
+    if depth > 64:
+        return None
+    if isinstance(x, float):
+        return x if math.isfinite(x) else None
+    if isinstance(x, Mapping):
+        return {str(k): json_safe(v, depth + 1) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [json_safe(v, depth + 1) for v in x]
+    return x
+
+
+# --- HTML ----------------------------------------------------------------------------------------
+def _cell(v: Any) -> str:
+    if isinstance(v, float):
+        v = f"{v:.4g}"
+    elif isinstance(v, (dict, list)):
+        v = json.dumps(v)[:120]
+    return html.escape(str(v))
+
+
+def _table(rows: Sequence[Mapping[str, Any]], limit: int = 200) -> str:
+    rows = [r for r in rows if isinstance(r, Mapping)][:limit]
+    if not rows:
+        return "<p><i>none</i></p>"
+    cols: list[str] = []
+    for r in rows:
+        cols += [str(k) for k in r if str(k) not in cols]
+    head = "".join(f"<th>{html.escape(c)}</th>" for c in cols)
+    body = "".join("<tr>" + "".join(f"<td>{_cell(r.get(c, ''))}</td>" for c in cols) + "</tr>" for r in rows)
+    return f"<table><tr>{head}</tr>{body}</table>"
+
+
+def reward_svg(points: Sequence[tuple[float, float]], width: int = 480, height: int = 160) -> str:
+    """An inline SVG polyline of (step, reward) points, scaled to fit."""
+    pts = [(x, y) for x, y in points if math.isfinite(x) and math.isfinite(y)]
+    if not pts:
+        return "<p><i>no learner steps yet</i></p>"
+    xs, ys = [p[0] for p in pts], [p[1] for p in pts]
+    x0, x1, y0, y1 = min(xs), max(xs), min(ys), max(ys)
+    pad = 8
+    sx = (width - 2 * pad) / (x1 - x0) if x1 > x0 else 0.0
+    sy = (height - 2 * pad) / (y1 - y0) if y1 > y0 else 0.0
+    coords = " ".join(
+        f"{pad + (x - x0) * sx:.1f},{height - pad - ((y - y0) * sy if sy else (height - 2 * pad) / 2):.1f}"
+        for x, y in pts
+    )
+    return (
+        f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" '
+        f'viewBox="0 0 {width} {height}" role="img" aria-label="reward curve">'
+        f'<rect width="{width}" height="{height}" fill="#fafafa" stroke="#ccc"/>'
+        f'<polyline fill="none" stroke="#2a6" stroke-width="2" points="{coords}"/>'
+        f'<text x="{pad}" y="14" font-size="11">max {y1:.3g}</text>'
+        f'<text x="{pad}" y="{height - 2}" font-size="11">min {y0:.3g} · steps {x0:g}–{x1:g}</text>'
+        "</svg>"
+    )
+
+
+def render_html(status: Mapping[str, Any]) -> str:
+    """A self-contained page (auto-refresh every 5 s, no JavaScript) from the status dict."""
+    e = html.escape
+    hist = status.get("history") if isinstance(status.get("history"), list) else []
+    points = []
+    for h in hist or []:
+        if isinstance(h, Mapping):
+            x, y = _num(h.get("step")), _num(h.get("reward"))
+            if x is not None and y is not None:
+                points.append((x, y))
+    util = _num(status.get("learner_busy_fraction"))
+    led = status.get("ledger") if isinstance(status.get("ledger"), Mapping) else {}
+    assert isinstance(led, Mapping)
+    cost = _num(led.get("cost_usd"))
+    per_mtok = _num(led.get("usd_per_million_tokens"))
+    summary = [
+        ("hub", status.get("peer_id", "?")),
+        ("learner step", f"{status.get('step', '?')} / {status.get('steps', '?')}"),
+        ("latest version", status.get("latest_version", "?")),
+        ("staleness S", status.get("staleness", "?")),
+        ("learner utilization", "-" if util is None else f"{100 * util:.1f}%"),
+        ("results accepted", status.get("results_accepted", "?")),
+        ("rollouts accepted", status.get("rollouts_accepted", "?")),
+        ("stale dropped", status.get("stale_dropped", "?")),
+        ("cost so far", "-" if cost is None else f"${cost:.4f}"),
+        ("$ per 1M accepted tokens", "-" if per_mtok is None else f"${per_mtok:.2f}"),
+        ("wall time", f"{status.get('wall_s', '?')} s"),
+    ]
+    summary_html = "".join(f"<tr><th>{e(k)}</th><td>{_cell(v)}</td></tr>" for k, v in summary)
+    refused = status.get("refused_by_reason")
+    refused_rows = [{"reason": k, "count": v} for k, v in sorted(refused.items())] if isinstance(refused, Mapping) else []
+    raw_nodes = status.get("nodes")
+    nodes: list[Any] = raw_nodes if isinstance(raw_nodes, list) else []
+    bc = status.get("broadcast")
+    versions = bc.get("recent", []) if isinstance(bc, Mapping) else status.get("versions", [])
+    if not isinstance(versions, list):
+        versions = []
+    return f"""<!doctype html>
+<html lang="en"><head><meta charset="utf-8"><meta http-equiv="refresh" content="5">
+<title>echo2 hub</title>
+<style>body{{font-family:sans-serif;margin:1.5em;color:#222}}table{{border-collapse:collapse;margin-bottom:1em}}
+td,th{{border:1px solid #ccc;padding:2px 8px;text-align:left;font-size:13px}}th{{background:#f0f0f0}}</style>
+</head><body>
+<h1>echo2 hub</h1>
+<table>{summary_html}</table>
+<h2>Reward</h2>
+{reward_svg(points)}
+<h2>Fleet ({len(nodes)} nodes)</h2>
+{_table(nodes)}
+<h2>Policy versions (broadcast)</h2>
+{_table(list(versions)[-20:])}
+<h2>Refused</h2>
+{_table(refused_rows)}
+<p><a href="/status.json">status.json</a> · <a href="/metrics">metrics</a></p>
+</body></html>
+"""
+
+
+# --- HTTP server -----------------------------------------------------------------------------------
+class BadRequest(Exception):
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+
+
+_REASONS = {200: "OK", 400: "Bad Request", 404: "Not Found", 405: "Method Not Allowed",
+            408: "Request Timeout", 431: "Request Header Fields Too Large", 500: "Internal Server Error"}
+
+
+def parse_request_head(head: bytes) -> tuple[str, str]:
+    """(method, path) from the bytes before the blank line; BadRequest if malformed."""
+    try:
+        text = head.decode("ascii")
+    except UnicodeDecodeError as exc:
+        raise BadRequest(400, "request head is not ASCII") from exc
+    lines = text.split("\r\n")
+    parts = lines[0].split(" ")
+    if len(parts) != 3:
+        raise BadRequest(400, "malformed request line")
+    method, target, version = parts
+    if not _TOKEN.match(method) or version not in ("HTTP/1.0", "HTTP/1.1"):
+        raise BadRequest(400, "malformed request line")
+    if not target.startswith("/") or any(ord(c) <= 32 or ord(c) >= 127 for c in target):
+        raise BadRequest(400, "malformed request target")
+    for line in lines[1:]:
+        name, sep, _ = line.partition(":")
+        if not sep or not name or not _TOKEN.match(name):
+            raise BadRequest(400, "malformed header line")
+    return method, target.split("?", 1)[0].split("#", 1)[0]
+
+
+def _response(status: int, body: bytes, content_type: str, extra: Sequence[tuple[str, str]] = ()) -> bytes:
+    head = [
+        f"HTTP/1.1 {status} {_REASONS.get(status, 'Error')}",
+        f"Content-Type: {content_type}",
+        f"Content-Length: {len(body)}",
+        "Connection: close",
+        "Cache-Control: no-store",
+        "X-Content-Type-Options: nosniff",
+        *(f"{k}: {v}" for k, v in extra),
+    ]
+    return ("\r\n".join(head) + "\r\n\r\n").encode("ascii") + body
+
+
+def _text(status: int, msg: str, extra: Sequence[tuple[str, str]] = ()) -> bytes:
+    return _response(status, (msg + "\n").encode(), "text/plain; charset=utf-8", extra)
+
+
+class StatusServer:
+    """``await nursery.start(server.serve)``; then ``server.port`` is the bound port."""
+
+    def __init__(
+        self,
+        status_provider: Callable[[], Mapping[str, Any]],
+        metrics_provider: Callable[[], Sequence[Metric]],
+        host: str = "127.0.0.1",
+        port: int = 0,
+        *,
+        max_request_bytes: int = MAX_REQUEST_BYTES,
+        timeout_s: float = REQUEST_TIMEOUT_S,
+        max_connections: int = MAX_CONNECTIONS,
+    ) -> None:
+        self.status_provider = status_provider
+        self.metrics_provider = metrics_provider
+        self.host = host
+        self.port = port
+        self.max_request_bytes = max_request_bytes
+        self.timeout_s = timeout_s
+        self._limiter = trio.CapacityLimiter(max_connections)
+        self.requests = 0
+        self.errors = 0
+
+    async def serve(self, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
+        listeners = await trio.open_tcp_listeners(self.port, host=self.host)
+        sock = listeners[0].socket
+        self.port = int(sock.getsockname()[1])
+        log.info("status HTTP on http://%s:%d/", self.host, self.port)
+        task_status.started(self.port)
+        await trio.serve_listeners(self._handle, listeners)
+
+    async def _handle(self, stream: trio.abc.Stream) -> None:
+        # The outer guard: whatever a client sends, this task ends quietly.
+        try:
+            try:
+                self._limiter.acquire_nowait()
+            except trio.WouldBlock:
+                return
+            try:
+                with trio.move_on_after(self.timeout_s):
+                    await self._serve_one(stream)
+            finally:
+                self._limiter.release()
+        except (trio.BrokenResourceError, trio.ClosedResourceError, OSError):
+            pass
+        except Exception:
+            self.errors += 1
+            log.exception("status HTTP: unexpected error")
+        finally:
+            with trio.move_on_after(1.0) as cs:
+                cs.shield = True
+                try:
+                    await stream.aclose()
+                except Exception:
+                    pass
+
+    async def _serve_one(self, stream: trio.abc.Stream) -> None:
+        buf = bytearray()
+        while b"\r\n\r\n" not in buf:
+            if len(buf) > self.max_request_bytes:
+                await stream.send_all(_text(431, "request head too large"))
+                return
+            data = await stream.receive_some(4096)
+            if not data:
+                if buf:
+                    await stream.send_all(_text(400, "incomplete request"))
+                return
+            buf += data
+        head = bytes(buf[: buf.index(b"\r\n\r\n")])
+        if len(head) > self.max_request_bytes:
+            await stream.send_all(_text(431, "request head too large"))
+            return
+        self.requests += 1
+        await stream.send_all(self.respond(head))
+
+    def respond(self, head: bytes) -> bytes:
+        """The full response for a request head (exposed for tests of routing without sockets)."""
+        try:
+            method, path = parse_request_head(head)
+        except BadRequest as exc:
+            return _text(exc.status, exc.message)
+        if method != "GET":
+            return _text(405, "only GET is supported", [("Allow", "GET")])
+        try:
+            if path == "/status.json":
+                body = json.dumps(json_safe(self.status_provider()), default=str, allow_nan=False).encode()
+                return _response(200, body, "application/json")
+            if path == "/metrics":
+                text = render_metrics(self.metrics_provider())
+                return _response(200, text.encode(), "text/plain; version=0.0.4; charset=utf-8")
+            if path in ("/", "/index.html"):
+                return _response(200, render_html(self.status_provider()).encode(), "text/html; charset=utf-8")
+        except Exception:
+            self.errors += 1
+            log.exception("status HTTP: provider failed for %s", path)
+            return _text(500, "internal error")
+        return _text(404, "not found")
