@@ -409,7 +409,7 @@ class StatusServer:
         buf = bytearray()
         while b"\r\n\r\n" not in buf:
             if len(buf) > self.max_request_bytes:
-                await stream.send_all(_text(431, "request head too large"))
+                await self._refuse_and_drain(stream, _text(431, "request head too large"))
                 return
             data = await stream.receive_some(4096)
             if not data:
@@ -419,10 +419,24 @@ class StatusServer:
             buf += data
         head = bytes(buf[: buf.index(b"\r\n\r\n")])
         if len(head) > self.max_request_bytes:
-            await stream.send_all(_text(431, "request head too large"))
+            await self._refuse_and_drain(stream, _text(431, "request head too large"))
             return
         self.requests += 1
         await stream.send_all(self.respond(head))
+
+    async def _refuse_and_drain(self, stream: trio.abc.Stream, resp: bytes) -> None:
+        # Closing a socket with unread input makes the kernel send RST, which can destroy the
+        # response before the client reads it: half-close, then discard a bounded amount of input.
+        await stream.send_all(resp)
+        if isinstance(stream, trio.abc.HalfCloseableStream):
+            await stream.send_eof()
+        discarded = 0
+        with trio.move_on_after(0.5):
+            while discarded < 16 * self.max_request_bytes:
+                data = await stream.receive_some(65536)
+                if not data:
+                    break
+                discarded += len(data)
 
     def respond(self, head: bytes) -> bytes:
         """The full response for a request head (exposed for tests of routing without sockets)."""

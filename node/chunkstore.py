@@ -1,0 +1,244 @@
+"""A node's chunk store: content-addressed raw chunks on disk plus the manifests of kept versions.
+
+Layout under ``root``::
+
+    chunks/<raw hash hex>          raw bytes of one chunk (named by blake3 of those bytes)
+    versions/<v>.hashes            the raw hashes of version v's chunks, 32 bytes each, in order
+    versions/<v>.manifest          the hub-signed manifest envelope of version v, as received
+
+Why raw chunks (not the encoded ones): content addressing is by raw hash, so a chunk unchanged
+between versions is one file, and a delta of the next version decodes against it directly.
+
+Crash safety: every file is written to a temporary name in its own directory, fsynced and then
+renamed over its final name (``os.replace``), so a final name only ever holds a whole file. Stray
+temporaries (a crash mid-write) are removed when the store is opened. A chunk file that was
+damaged after the fact (disk, a careless user) is caught by the hash check on every read, removed,
+and shows up again in :meth:`ChunkStore.missing`, so the caller fetches it again.
+
+A version's ``.hashes`` is written before its ``.manifest``: a version is listed only when both
+exist, and garbage collection never removes a chunk that a listed version references.
+
+Sync file I/O on purpose (pure-ish): the trio caller runs big reads/writes via
+``trio.to_thread.run_sync``. One store per data directory; the methods are not meant to be called
+from several threads at once.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Iterable
+from pathlib import Path
+
+from echo2.protocol.errors import ChunkMismatch, ManifestError
+from echo2.protocol.hashing import digest
+from echo2.protocol.messages import Manifest
+
+log = logging.getLogger(__name__)
+
+TMP_PREFIX = ".tmp-"
+DEFAULT_KEEP = 3
+HASH_SIZE = 32
+
+
+def _fsync_dir(path: Path) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:  # some filesystems refuse fsync on directories; the rename is still atomic
+        pass
+    finally:
+        os.close(fd)
+
+
+def atomic_write(path: Path, data: bytes | bytearray | memoryview) -> None:
+    """Write ``data`` to ``path`` so that ``path`` holds either the old file or all of ``data``."""
+    tmp = path.parent / f"{TMP_PREFIX}{path.name}.{os.getpid()}"
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    _fsync_dir(path.parent)
+
+
+class ChunkStore:
+    """Chunks by raw hash, and the last ``keep`` versions' manifests (see the module doc)."""
+
+    def __init__(self, root: str | os.PathLike[str], *, keep: int = DEFAULT_KEEP, fsync: bool = True) -> None:
+        if keep < 1:
+            raise ValueError("keep must be >= 1")
+        self.root = Path(root)
+        self.keep = keep
+        self.fsync = fsync
+        self.chunk_dir = self.root / "chunks"
+        self.version_dir = self.root / "versions"
+        self.chunk_dir.mkdir(parents=True, exist_ok=True)
+        self.version_dir.mkdir(parents=True, exist_ok=True)
+        self.removed_tmp = self._remove_stray_tmp()
+
+    # --- housekeeping ---------------------------------------------------------------------------
+    def _remove_stray_tmp(self) -> int:
+        n = 0
+        for d in (self.chunk_dir, self.version_dir):
+            for p in d.iterdir():
+                if p.name.startswith(TMP_PREFIX):
+                    try:
+                        p.unlink()
+                        n += 1
+                    except OSError as exc:
+                        log.warning("cannot remove stray temporary %s: %s", p, exc)
+        if n:
+            log.info("chunk store %s: removed %d half-written files from an earlier run", self.root, n)
+        return n
+
+    def _write(self, path: Path, data: bytes | bytearray | memoryview) -> None:
+        if self.fsync:
+            atomic_write(path, data)
+        else:
+            tmp = path.parent / f"{TMP_PREFIX}{path.name}.{os.getpid()}"
+            tmp.write_bytes(data)
+            os.replace(tmp, path)
+
+    # --- chunks ---------------------------------------------------------------------------------
+    def _chunk_path(self, raw_hash: bytes) -> Path:
+        if len(raw_hash) != HASH_SIZE:
+            raise ValueError("raw hash must be 32 bytes")
+        return self.chunk_dir / raw_hash.hex()
+
+    def has(self, raw_hash: bytes) -> bool:
+        """Whether a chunk with this raw hash is stored (its bytes are re-checked on read)."""
+        return self._chunk_path(raw_hash).is_file()
+
+    def put(self, raw_hash: bytes, raw: bytes | bytearray | memoryview) -> bool:
+        """Store a raw chunk after checking that it hashes to ``raw_hash`` (ChunkMismatch if not).
+        Returns False if it was already stored (never written twice)."""
+        path = self._chunk_path(raw_hash)
+        if digest(raw) != raw_hash:
+            raise ChunkMismatch(f"chunk does not hash to {raw_hash.hex()[:16]}; not stored")
+        if path.is_file():
+            return False
+        self._write(path, raw)
+        return True
+
+    def get(self, raw_hash: bytes) -> bytes:
+        """The raw chunk, re-verified. A damaged file is removed and ChunkMismatch raised;
+        a missing one raises KeyError."""
+        path = self._chunk_path(raw_hash)
+        try:
+            data = path.read_bytes()
+        except FileNotFoundError:
+            raise KeyError(raw_hash.hex()) from None
+        if digest(data) != raw_hash:
+            log.warning("chunk file %s is damaged; removing it so it is fetched again", path.name[:16])
+            try:
+                path.unlink()
+            except OSError:
+                pass
+            raise ChunkMismatch(f"stored chunk {raw_hash.hex()[:16]} is damaged (removed)")
+        return data
+
+    def get_or_none(self, raw_hash: bytes) -> bytes | None:
+        try:
+            return self.get(raw_hash)
+        except (KeyError, ChunkMismatch):
+            return None
+
+    # --- versions -------------------------------------------------------------------------------
+    def save_version(self, manifest: Manifest, manifest_envelope: bytes) -> None:
+        """Remember version ``manifest.version`` (before its chunks arrive, so that a restart can
+        resume it), then drop versions beyond the last ``keep``."""
+        v = manifest.version
+        hashes = b"".join(c.raw_hash for c in manifest.chunks)
+        self._write(self.version_dir / f"{v}.hashes", hashes)
+        self._write(self.version_dir / f"{v}.manifest", manifest_envelope)
+        self.gc()
+
+    def versions(self) -> list[int]:
+        """Versions with a manifest on disk (complete or not), oldest first."""
+        out: list[int] = []
+        for p in self.version_dir.glob("*.manifest"):
+            stem = p.name[: -len(".manifest")]
+            if stem.isdigit() and (self.version_dir / f"{stem}.hashes").is_file():
+                out.append(int(stem))
+        return sorted(out)
+
+    def manifest_envelope(self, version: int) -> bytes | None:
+        """The signed manifest envelope as received (the caller verifies it again)."""
+        try:
+            return (self.version_dir / f"{version}.manifest").read_bytes()
+        except FileNotFoundError:
+            return None
+
+    def _hashes(self, version: int) -> list[bytes]:
+        data = (self.version_dir / f"{version}.hashes").read_bytes()
+        if len(data) % HASH_SIZE:
+            raise ManifestError(f"hash list of version {version} is damaged")
+        return [data[i : i + HASH_SIZE] for i in range(0, len(data), HASH_SIZE)]
+
+    def missing(self, manifest: Manifest) -> list[int]:
+        """Indices of the manifest's chunks not stored yet (what is left to fetch)."""
+        return [c.index for c in manifest.chunks if not self.has(c.raw_hash)]
+
+    def is_complete(self, manifest: Manifest) -> bool:
+        return not self.missing(manifest)
+
+    def load_raw_chunks(self, manifest: Manifest) -> list[bytes]:
+        """Every raw chunk of a complete version, each re-verified against the manifest.
+
+        ManifestError if chunks are missing; ChunkMismatch if a stored chunk turned out damaged
+        (it is removed, so :meth:`missing` lists it and the caller fetches it again)."""
+        out: list[bytes] = []
+        bad: list[int] = []
+        for c in manifest.chunks:
+            try:
+                raw = self.get(c.raw_hash)
+            except KeyError:
+                raise ManifestError(f"version {manifest.version} incomplete: chunk {c.index} missing") from None
+            except ChunkMismatch:
+                bad.append(c.index)
+                continue
+            if len(raw) != c.raw_size:  # same hash, other size cannot happen; defensive only
+                bad.append(c.index)
+                continue
+            out.append(raw)
+        if bad:
+            raise ChunkMismatch(f"version {manifest.version}: damaged chunks {bad[:8]} removed; fetch them again")
+        return out
+
+    def gc(self, protect: Iterable[int] = ()) -> int:
+        """Keep the newest ``keep`` versions (and ``protect``); remove other manifests and every
+        chunk no kept version references. Returns the number of chunk files removed."""
+        versions = self.versions()
+        kept = set(versions[-self.keep :]) | set(protect)
+        for v in versions:
+            if v not in kept:
+                for suffix in (".manifest", ".hashes"):
+                    try:
+                        (self.version_dir / f"{v}{suffix}").unlink()
+                    except FileNotFoundError:
+                        pass
+        referenced: set[str] = set()
+        for v in kept:
+            try:
+                referenced.update(h.hex() for h in self._hashes(v))
+            except (FileNotFoundError, ManifestError):
+                continue
+        removed = 0
+        for p in self.chunk_dir.iterdir():
+            if p.name.startswith(TMP_PREFIX) or p.name in referenced:
+                continue
+            try:
+                p.unlink()
+                removed += 1
+            except OSError as exc:
+                log.warning("gc cannot remove %s: %s", p, exc)
+        if removed:
+            log.debug("chunk store gc: removed %d chunks, kept versions %s", removed, sorted(kept))
+        return removed
+
+    def stored_bytes(self) -> int:
+        return sum(p.stat().st_size for p in self.chunk_dir.iterdir() if not p.name.startswith(TMP_PREFIX))

@@ -1,0 +1,170 @@
+"""The status HTTP server, started for real on 127.0.0.1 and spoken to over TCP."""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+import urllib.error
+import urllib.request
+from typing import Any
+
+import pytest
+import trio
+
+from echo2.learner_hub.status_http import Metric, StatusServer, hub_metrics, render_html, render_metrics
+
+STATUS: dict[str, Any] = {
+    "peer_id": "12D3KooWhub",
+    "step": 3,
+    "steps": 10,
+    "staleness": 1,
+    "latest_version": 3,
+    "learner_busy_fraction": 0.8,
+    "results_accepted": 12,
+    "rollouts_accepted": 96,
+    "stale_dropped": 1,
+    "refused_by_reason": {"stale": 1, "logprob_mismatch": 2},
+    "wall_s": 12.5,
+    "nodes": [
+        {"peer_id": "12D3KooWa<script>", "state": "active", "price_usd_per_hour": 1.5, "tokens": 100},
+        {"peer_id": "12D3KooWb", "state": "standby", "price_usd_per_hour": 0.5, "tokens": 0},
+    ],
+    "broadcast": {"recent": [{"version": 3, "first_s": 0.1, "median_s": 0.2, "last_s": 0.4}]},
+    "history": [{"step": i, "reward": r, "train_s": 0.5} for i, r in enumerate([0.1, 0.3, 0.2, 0.6], start=1)],
+    "ledger": {"cost_usd": 0.25, "accepted_tokens": 1000, "usd_per_token": 0.00025, "usd_per_million_tokens": 250.0},
+    "weird": math.nan,
+}
+
+
+async def raw_request(port: int, data: bytes, *, half_close: bool = False) -> bytes:
+    with trio.fail_after(5):
+        stream = await trio.open_tcp_stream("127.0.0.1", port)
+        async with stream:
+            await stream.send_all(data)
+            if half_close:
+                await stream.send_eof()
+            out = bytearray()
+            while chunk := await stream.receive_some(65536):
+                out += chunk
+            return bytes(out)
+
+
+def status_code(resp: bytes) -> int:
+    m = re.match(rb"HTTP/1\.1 (\d{3}) ", resp)
+    assert m, resp[:100]
+    return int(m.group(1))
+
+
+def body(resp: bytes) -> bytes:
+    return resp.split(b"\r\n\r\n", 1)[1]
+
+
+def fetch(url: str) -> tuple[int, str, bytes]:
+    try:
+        with urllib.request.urlopen(url, timeout=5) as r:
+            return r.status, r.headers.get("Content-Type", ""), r.read()
+    except urllib.error.HTTPError as e:
+        return e.code, e.headers.get("Content-Type", ""), e.read()
+
+
+def test_real_server_routes_and_garbage() -> None:
+    async def main() -> None:
+        server = StatusServer(lambda: STATUS, lambda: hub_metrics(STATUS), timeout_s=1.0)
+        async with trio.open_nursery() as nursery:
+            port = await nursery.start(server.serve)
+            assert port == server.port and port > 0
+            base = f"http://127.0.0.1:{port}"
+            # urllib in a worker thread: a real, independent HTTP client
+            code, ctype, data = await trio.to_thread.run_sync(fetch, base + "/status.json")
+            assert code == 200 and ctype == "application/json"
+            got = json.loads(data)
+            assert got["step"] == 3 and got["weird"] is None  # NaN becomes null: strict JSON
+            code, ctype, data = await trio.to_thread.run_sync(fetch, base + "/")
+            assert code == 200 and ctype.startswith("text/html")
+            page = data.decode()
+            assert "<polyline" in page and "80.0%" in page and "$0.2500" in page and "12D3KooWb" in page
+            assert "<script>" not in page and "&lt;script&gt;" in page  # node-supplied text is escaped
+            code, ctype, data = await trio.to_thread.run_sync(fetch, base + "/metrics?x=1")
+            assert code == 200 and "version=0.0.4" in ctype
+            text = data.decode()
+            assert 'echo2_results_refused_total{reason="logprob_mismatch"} 2' in text
+            assert "echo2_learner_step 3" in text and "echo2_nodes_active 1" in text
+            code, _, _ = await trio.to_thread.run_sync(fetch, base + "/nope")
+            assert code == 404
+
+            # hostile or wrong requests: each gets its answer and the server stays up
+            assert status_code(await raw_request(port, b"POST / HTTP/1.1\r\nHost: x\r\n\r\n")) == 405
+            assert status_code(await raw_request(port, b"\x00\xff\xfe garbage\r\n\r\n")) == 400
+            assert status_code(await raw_request(port, b"GET /\r\n\r\n")) == 400
+            assert status_code(await raw_request(port, b"GET / HTTP/1.1\r\nno colon here\r\n\r\n")) == 400
+            assert status_code(await raw_request(port, b"GET http://evil/ HTTP/1.1\r\n\r\n")) == 400
+            assert status_code(await raw_request(port, b"GET / HTTP/1.1\r\n", half_close=True)) == 400
+            big = b"GET / HTTP/1.1\r\n" + b"X-A: " + b"a" * 20000 + b"\r\n\r\n"
+            assert status_code(await raw_request(port, big)) == 431
+            assert await raw_request(port, b"") == b""  # connect and close
+            # a silent client is dropped after the timeout without answering
+            with trio.fail_after(5):
+                silent = await trio.open_tcp_stream("127.0.0.1", port)
+                assert await silent.receive_some(100) == b""
+                await silent.aclose()
+
+            resp = await raw_request(port, b"GET /status.json HTTP/1.0\r\n\r\n")
+            assert status_code(resp) == 200 and json.loads(body(resp))["peer_id"] == "12D3KooWhub"
+            nursery.cancel_scope.cancel()
+
+    trio.run(main)
+
+
+def test_provider_failure_is_500_and_server_survives() -> None:
+    calls = {"n": 0}
+
+    def flaky() -> dict[str, Any]:
+        calls["n"] += 1
+        if calls["n"] == 1:
+            raise RuntimeError("boom")
+        return {"step": 1}
+
+    async def main() -> None:
+        server = StatusServer(flaky, lambda: [])
+        async with trio.open_nursery() as nursery:
+            port = await nursery.start(server.serve)
+            assert status_code(await raw_request(port, b"GET /status.json HTTP/1.1\r\n\r\n")) == 500
+            resp = await raw_request(port, b"GET /status.json HTTP/1.1\r\n\r\n")
+            assert status_code(resp) == 200 and json.loads(body(resp)) == {"step": 1}
+            resp = await raw_request(port, b"GET / HTTP/1.1\r\n\r\n")  # an almost empty status still renders
+            assert status_code(resp) == 200 and b"no learner steps yet" in body(resp)
+            nursery.cancel_scope.cancel()
+
+    trio.run(main)
+
+
+def test_render_metrics_format() -> None:
+    text = render_metrics(
+        [
+            Metric("echo2_x_total", "counter", 'help with \\ and\nnewline', [({"reason": 'a"b\\c\nd'}, 3.0)]),
+            Metric("echo2_g", "gauge", "g", [({}, 0.25), ({"k": "v"}, math.inf)]),
+            Metric("echo2_g", "gauge", "g", [({"k": "w"}, math.nan)]),
+        ]
+    )
+    assert text == (
+        "# HELP echo2_x_total help with \\\\ and\\nnewline\n"
+        "# TYPE echo2_x_total counter\n"
+        'echo2_x_total{reason="a\\"b\\\\c\\nd"} 3\n'
+        "# HELP echo2_g g\n"
+        "# TYPE echo2_g gauge\n"
+        "echo2_g 0.25\n"
+        'echo2_g{k="v"} +Inf\n'
+        'echo2_g{k="w"} NaN\n'
+    )
+    with pytest.raises(ValueError):
+        Metric("bad-name", "gauge", "x")
+    with pytest.raises(ValueError):
+        Metric("ok", "gauge", "x", [({"bad-label": "v"}, 1.0)])
+    with pytest.raises(ValueError):
+        Metric("ok", "histogram", "x")
+
+
+def test_render_html_handles_odd_status() -> None:
+    page = render_html({"nodes": "not a list", "history": [{"step": 1, "reward": math.inf}, "x"], "broadcast": 5})
+    assert "<html" in page and "none" in page
