@@ -422,7 +422,11 @@ class StatusServer:
             await self._refuse_and_drain(stream, _text(431, "request head too large"))
             return
         self.requests += 1
-        await stream.send_all(self.respond(head))
+        resp = self.respond(head)
+        if resp.startswith(b"HTTP/1.1 200 "):
+            await stream.send_all(resp)
+        else:  # the client may still be sending (a POST body): do not reset the connection on it
+            await self._refuse_and_drain(stream, resp)
 
     async def _refuse_and_drain(self, stream: trio.abc.Stream, resp: bytes) -> None:
         # Closing a socket with unread input makes the kernel send RST, which can destroy the

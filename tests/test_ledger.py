@@ -7,7 +7,14 @@ import io
 
 import pytest
 
-from echo2.learner_hub.ledger import Ledger, NodeRow, hardware_summary, ledger_csv, render_ledger, render_nodes
+from echo2.learner_hub.ledger import (
+    Ledger,
+    NodeRow,
+    hardware_summary,
+    ledger_csv,
+    render_ledger,
+    render_nodes,
+)
 
 
 def test_costs_by_hand() -> None:

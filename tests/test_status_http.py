@@ -95,6 +95,8 @@ def test_real_server_routes_and_garbage() -> None:
 
             # hostile or wrong requests: each gets its answer and the server stays up
             assert status_code(await raw_request(port, b"POST / HTTP/1.1\r\nHost: x\r\n\r\n")) == 405
+            post = b"POST /status.json HTTP/1.1\r\nContent-Length: 100000\r\n\r\n" + b"x" * 100000
+            assert status_code(await raw_request(port, post)) == 405
             assert status_code(await raw_request(port, b"\x00\xff\xfe garbage\r\n\r\n")) == 400
             assert status_code(await raw_request(port, b"GET /\r\n\r\n")) == 400
             assert status_code(await raw_request(port, b"GET / HTTP/1.1\r\nno colon here\r\n\r\n")) == 400

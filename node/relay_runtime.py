@@ -1,0 +1,707 @@
+"""The node side of the pipelined broadcast: :class:`echo2.protocol.relay.Relay` over real sockets.
+
+One :class:`RelayNode` per node process:
+
+- a :class:`~echo2.protocol.net.dataplane.DataPlaneServer` that children and pulling peers dial;
+- a connection to the hub (always: the hub sends the signed ``BroadcastPlan`` and ``Manifest`` on
+  it, pushes the chunks of the stripes whose root this node is, and answers pulls);
+- a connection to its parent in every stripe: **the child dials the parent** and the parent pushes
+  that stripe's chunks back on the same connection as it verifies them. Why this direction: only
+  the parent has to be reachable (NAT-bound nodes are leaves in the plan), and a child that lost
+  its parent simply dials the new one named by the repaired plan.
+
+Every connection carries frames both ways. Chunk frames are :func:`echo2.protocol.wire.pack_chunk_frame`
+payloads (version, index, encoding flag, bytes). Small requests are canonical maps in REQUEST
+frames (see :func:`encode_request`): ``have`` (a ``ChunkHave``; sent on connect and whenever our
+holdings grow, so a parent never pushes what we hold and children/peers know whom to pull from),
+``get`` (a ``ChunkRequest``: pull), ``full`` (a ``ChunkRequest`` for the full encoding of delta
+chunks whose parent chunk we lack; the hub answers it), ``hello`` (to the hub: our data-plane
+address and upload limit, for the planner) and ``stats`` (to the hub: bytes we sent per version).
+Signed envelopes travel in MESSAGE frames: the hub's plan and manifest, our ``HoldsVersion``.
+
+Rules: a chunk is checked against the hub-signed manifest (encoded size and hash) before it is
+forwarded or stored; it is decoded (raw hash checked) and written to the :class:`ChunkStore` in a
+worker thread while the next chunk arrives, and forwarded to the children at once (cut-through).
+A corrupt chunk produces a ``Report``: ``on_evidence`` is called (the lead wires it to a control
+message for the hub) and the sender is avoided from then on. A parent that dies or stalls is
+routed around: its stripes are pulled from peers that advertised them, or from the hub. When the
+store holds every chunk of the version, ``on_holds`` is called and a signed ``HoldsVersion`` goes
+to the hub on the data plane.
+
+Fault injection (tests and benches only): ``RelayConfig.corrupt_sends`` flips one byte of every
+chunk this node sends, as a malicious relay would.
+
+Entry point for benches: ``python -m echo2.node.relay_runtime --hub-addr H:P --hub-peer ID --dir D``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import math
+import os
+import signal
+import sys
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import trio
+
+from echo2.protocol import canonical, envelope, packing
+from echo2.protocol.errors import ChunkMismatch, DecodeError, Echo2Error, ManifestError, SchemaError
+from echo2.protocol.hashing import digest
+from echo2.protocol.identity import Identity
+from echo2.protocol.messages import BroadcastPlan, ChunkHave, ChunkRequest, HoldsVersion, Manifest
+from echo2.protocol.net.dataplane import DataConnection, DataPlaneServer, FrameType, connect
+from echo2.protocol.net.ratelimit import UploadLimiter
+from echo2.protocol.relay import Complete, Evidence, Relay, Report, Request, Send, bitmap_from_indices
+from echo2.protocol.wire import ENC_FULL, ENC_MANIFEST, pack_chunk_frame, unpack_chunk_frame
+
+from .chunkstore import ChunkStore
+
+log = logging.getLogger(__name__)
+
+MAX_REQUEST_PAYLOAD = 1024 * 1024
+
+# --- REQUEST frame payloads (the hub's echo2.learner_hub.broadcast mirrors these) ----------------
+REQ_HELLO = "hello"
+REQ_HAVE = "have"
+REQ_GET = "get"
+REQ_FULL = "full"
+REQ_STATS = "stats"
+
+
+def encode_request(kind: str, **fields: Any) -> bytes:
+    return canonical.encode({"k": kind, **fields})
+
+
+def decode_request(payload: bytes | bytearray) -> tuple[str, dict[str, Any]]:
+    """``(kind, map)`` of a REQUEST payload; SchemaError/DecodeError for anything malformed."""
+    d = canonical.decode(bytes(payload), max_size=MAX_REQUEST_PAYLOAD)
+    if not isinstance(d, dict) or not isinstance(d.get("k"), str):
+        raise SchemaError("request payload must be a map with a str 'k'")
+    kind = d["k"]
+    if kind in (REQ_HAVE,):
+        d["m"] = ChunkHave.from_wire(d.get("m"))
+    elif kind in (REQ_GET, REQ_FULL):
+        d["m"] = ChunkRequest.from_wire(d.get("m"))
+    elif kind == REQ_HELLO:
+        addr, up = d.get("addr"), d.get("up")
+        if not isinstance(addr, str) or len(addr) > 256 or not isinstance(up, (int, float)) or not 0 <= up < 1e12:
+            raise SchemaError("hello needs addr (str <= 256) and up (MB/s >= 0)")
+    elif kind == REQ_STATS:
+        for k in ("v", "sent", "recv"):
+            if not isinstance(d.get(k), int) or not 0 <= d[k] < 2**63:
+                raise SchemaError(f"stats field {k} must be an int >= 0")
+    else:
+        raise SchemaError(f"unknown request kind {kind[:32]!r}")
+    return kind, d
+
+
+# --- the plan as the relay sees it ---------------------------------------------------------------
+
+
+@dataclass
+class WirePlan:
+    """A verified ``BroadcastPlan`` in the shape :class:`echo2.protocol.relay.PlanView` wants."""
+
+    hub: str
+    stripes: int
+    parent: list[dict[str, str]]
+    children: list[dict[str, list[str]]]
+    data_addrs: dict[str, str] = field(default_factory=dict)
+
+
+def plan_from_message(msg: BroadcastPlan, hub: str) -> WirePlan:
+    s = msg.stripes
+    parent: list[dict[str, str]] = [{} for _ in range(s)]
+    children: list[dict[str, list[str]]] = [{} for _ in range(s)]
+    for node, ps in msg.parents.items():
+        if len(ps) != s:
+            raise SchemaError(f"plan v{msg.version}: {node} has {len(ps)} parents for {s} stripes")
+        for i, p in enumerate(ps):
+            parent[i][node] = p
+    for p, per_stripe in msg.children.items():
+        if len(per_stripe) != s:
+            raise SchemaError(f"plan v{msg.version}: {p} has children for {len(per_stripe)} of {s} stripes")
+        for i, cs in enumerate(per_stripe):
+            if cs:
+                children[i][p] = list(cs)
+    return WirePlan(hub, s, parent, children, dict(msg.data_addrs))
+
+
+def star_view(me: str, hub: str) -> WirePlan:
+    """Before (or without) a plan: everything comes from the hub."""
+    return WirePlan(hub, 1, [{me: hub}], [{hub: [me]}])
+
+
+# --- node ----------------------------------------------------------------------------------------
+
+
+@dataclass
+class RelayConfig:
+    upload_MBps: float = 0.0  # token-bucket cap on everything this node uploads (0 = none)
+    stall_timeout_s: float = 3.0
+    request_timeout_s: float = 6.0
+    window: int = 2  # chunks in flight per child
+    tick_s: float = 0.1
+    connect_timeout_s: float = 5.0
+    keep_versions: int = 3
+    corrupt_sends: bool = False  # fault injection, tests/benches only
+
+
+@dataclass
+class HeldInfo:
+    version: int
+    manifest: Manifest
+    seconds: float  # manifest arrival to complete and verified on disk
+
+
+@dataclass
+class _Broadcast:
+    manifest: Manifest
+    envelope: bytes
+    plan: WirePlan
+    relay: Relay
+    t0: float
+    encoded: dict[int, bytes] = field(default_factory=dict)
+    need_full: set[int] = field(default_factory=set)
+    full_asked_at: float = -math.inf
+    done: bool = False
+    have_sent: int = -1
+    bytes_sent: int = 0
+    bytes_received: int = 0
+    stats_sent: int = -1
+
+    @property
+    def version(self) -> int:
+        return self.manifest.version
+
+
+class _Link:
+    def __init__(self, conn: DataConnection) -> None:
+        self.conn = conn
+        self.peer = conn.peer_id
+        self.tx, self.rx = trio.open_memory_channel[tuple[int, int]](math.inf)
+        self.inflight: set[tuple[int, int]] = set()
+
+
+OnHolds = Callable[[HeldInfo], Awaitable[None] | None]
+OnEvidence = Callable[[int, Evidence], Awaitable[None] | None]
+
+
+class RelayNode:
+    """The broadcast side of one node (see the module doc). ``await run()`` serves until cancelled."""
+
+    def __init__(
+        self,
+        identity: Identity,
+        store: ChunkStore,
+        hub_peer: str,
+        hub_addr: str,
+        cfg: RelayConfig | None = None,
+        *,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        on_holds: OnHolds | None = None,
+        on_evidence: OnEvidence | None = None,
+    ) -> None:
+        self.identity = identity
+        self.me = identity.peer_id
+        self.store = store
+        self.hub_peer = hub_peer
+        self.hub_addr = hub_addr
+        self.cfg = cfg or RelayConfig()
+        self.on_holds = on_holds
+        self.on_evidence = on_evidence
+        self.limiter = UploadLimiter(self.cfg.upload_MBps) if self.cfg.upload_MBps > 0 else None
+        self.server = DataPlaneServer(identity, self._serve, host=host, port=port, upload_limiter=self.limiter)
+        self.links: dict[str, _Link] = {}
+        self._dialing: dict[str, trio.Event] = {}
+        self._pending: dict[str, list[tuple[int, int]]] = {}
+        self._early_have: dict[str, ChunkHave] = {}
+        self._plans: dict[int, WirePlan] = {}
+        self.bc: _Broadcast | None = None
+        self.held: HeldInfo | None = None
+        self.evidence: list[tuple[int, Evidence]] = []
+        self._store_tx, self._store_rx = trio.open_memory_channel[tuple[int, int, int, bytes, str]](math.inf)
+        self._nursery: trio.Nursery | None = None
+        self.holds_event = trio.Event()
+
+    @property
+    def data_addr(self) -> str:
+        return self.server.addr
+
+    # --- lifecycle -----------------------------------------------------------------------------
+    async def run(self, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
+        async with trio.open_nursery() as nursery:
+            self._nursery = nursery
+            await nursery.start(self.server.serve)
+            nursery.start_soon(self._store_worker)
+            nursery.start_soon(self._ticker)
+            nursery.start_soon(self._hub_loop)
+            task_status.started(self)
+
+    def _spawn(self, fn: Callable[..., Awaitable[Any]], *args: Any) -> None:
+        assert self._nursery is not None
+        self._nursery.start_soon(fn, *args)
+
+    async def _hub_loop(self) -> None:
+        backoff = 0.2
+        while True:
+            try:
+                conn = await connect(
+                    self.hub_addr, self.identity, self.hub_peer,
+                    timeout_s=self.cfg.connect_timeout_s, upload_limiter=self.limiter,
+                )
+                backoff = 0.2
+                async with conn:
+                    await conn.send_request(encode_request(REQ_HELLO, addr=self.data_addr, up=float(self.cfg.upload_MBps)))
+                    await self._link_main(conn)
+            except (Echo2Error, OSError) as exc:
+                log.warning("hub data link lost (%s); reconnecting in %.1fs", exc, backoff)
+            await trio.sleep(backoff)
+            backoff = min(backoff * 2, 5.0)
+
+    async def _serve(self, conn: DataConnection) -> None:
+        await self._link_main(conn)
+
+    async def _link_main(self, conn: DataConnection, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
+        link = _Link(conn)
+        peer = link.peer
+        self.links[peer] = link
+        for item in self._pending.pop(peer, []):
+            link.tx.send_nowait(item)
+        task_status.started(link)
+        try:
+            await self._send_have(link)
+            if peer == self.hub_peer and self.held is not None:
+                await self._report_holds(self.held)
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(self._sender, link)
+                await self._receive_loop(link)
+                nursery.cancel_scope.cancel()
+        finally:
+            if self.links.get(peer) is link:
+                del self.links[peer]
+            self._link_gone(link)
+
+    def _link_gone(self, link: _Link) -> None:
+        b = self.bc
+        if b is None:
+            return
+        for ver, i in list(link.inflight):
+            if ver == b.version:
+                self._act(b, b.relay.on_send_failed(link.peer, i))
+        link.inflight.clear()
+        if link.peer not in self.links:
+            b.relay.peer_have.pop(link.peer, None)  # it can no longer serve what it advertised
+        if link.peer in b.relay.parents and link.peer not in self.links:
+            # A dead parent: pull its stripes at the next tick instead of waiting for the stall timer.
+            for s, p in enumerate(b.relay.parents):
+                if p == link.peer:
+                    b.relay.last_progress[s] = -math.inf
+            log.info("parent %s is gone; pulling its stripes elsewhere", link.peer)
+
+    # --- receiving -----------------------------------------------------------------------------
+    async def _receive_loop(self, link: _Link) -> None:
+        conn = link.conn
+        while True:
+            try:
+                frame = await conn.receive()
+            except ChunkMismatch as exc:  # frame body did not match its own key: still in sync
+                log.warning("damaged frame from %s: %s", link.peer, exc)
+                continue
+            if frame.type is FrameType.BYE:
+                return
+            try:
+                if frame.type is FrameType.CHUNK:
+                    await self._on_chunk(link.peer, frame.payload)
+                elif frame.type is FrameType.REQUEST:
+                    self._on_request(link, frame.payload)
+                elif frame.type is FrameType.MESSAGE and link.peer == self.hub_peer:
+                    await self._on_hub_message(frame.payload)
+            except (SchemaError, DecodeError, ManifestError) as exc:
+                log.warning("refused %s frame from %s: %s", frame.type.name, link.peer, exc)
+            except Echo2Error as exc:
+                log.warning("refused %s frame from %s: %s", frame.type.name, link.peer, exc)
+
+    async def _on_hub_message(self, payload: bytearray) -> None:
+        v = envelope.open_envelope(
+            bytes(payload), (Manifest, BroadcastPlan), replay=None,
+            allowed=lambda signer, _t: signer == self.hub_peer,
+        )
+        msg = v.message
+        if isinstance(msg, BroadcastPlan):
+            plan = plan_from_message(msg, self.hub_peer)
+            self._plans = {k: p for k, p in self._plans.items() if k >= msg.version - 2}
+            self._plans[msg.version] = plan
+            b = self.bc
+            if b is not None and b.version == msg.version:
+                b.plan = plan
+                self._act(b, b.relay.on_plan(plan, now=trio.current_time()))
+                self._dial_parents(b)
+        elif isinstance(msg, Manifest):
+            await self._on_manifest(msg, v.raw)
+
+    async def _on_manifest(self, m: Manifest, raw: bytes) -> None:
+        if (self.bc is not None and m.version <= self.bc.version) or (self.held and m.version <= self.held.version):
+            return
+        packing.verify_manifest_consistency(m)
+        await trio.to_thread.run_sync(self.store.save_version, m, raw)
+        missing = set(await trio.to_thread.run_sync(self.store.missing, m))
+        have = [c.index for c in m.chunks if c.index not in missing]
+        plan = self._plans.get(m.version) or star_view(self.me, self.hub_peer)
+        now = trio.current_time()
+        relay = Relay(
+            self.me, plan, [c.enc_hash for c in m.chunks], have=have, now=now,
+            stall_timeout_s=self.cfg.stall_timeout_s, request_timeout_s=self.cfg.request_timeout_s,
+            window=self.cfg.window,
+        )
+        b = _Broadcast(m, raw, plan, relay, now)
+        self.bc = b
+        log.info("version %d: %d chunks, %d already held", m.version, len(m.chunks), len(have))
+        for peer, h in list(self._early_have.items()):
+            if h.version == m.version:
+                relay.on_have(peer, h.have, now=now)
+        self._early_have.clear()
+        self._act(b, relay.start(now=now))
+        self._dial_parents(b)
+        await self._send_have_all()
+        if not missing:
+            await self._complete(b)
+
+    def _dial_parents(self, b: _Broadcast) -> None:
+        for p in set(b.relay.parents):
+            if p is not None and p not in (self.me, self.hub_peer) and p not in self.links:
+                self._spawn(self._ensure_link, p)
+
+    async def _on_chunk(self, peer: str, payload: bytearray) -> None:
+        cf = unpack_chunk_frame(payload)
+        b = self.bc
+        if b is None or cf.version != b.version:
+            return
+        i = cf.index
+        if not 0 <= i < len(b.manifest.chunks):
+            raise SchemaError(f"chunk index {i} outside version {b.version}")
+        b.bytes_received += len(cf.data)
+        entry = b.manifest.chunks[i]
+        now = trio.current_time()
+        if cf.encoding == ENC_MANIFEST:
+            if i in b.encoded:
+                return
+            try:
+                packing.verify_encoded(entry, cf.data)
+            except ChunkMismatch:
+                self._act(b, b.relay.on_chunk_corrupt(i, peer, digest(cf.data), now=now))
+                return
+            data = bytes(cf.data)
+            b.encoded[i] = data
+            self._act(b, b.relay.on_chunk_verified(i, now=now))  # forward before decoding: cut-through
+            self._store_tx.send_nowait((b.version, i, ENC_MANIFEST, data, peer))
+        else:
+            if i in b.relay.have and i not in b.need_full:
+                return
+            self._store_tx.send_nowait((b.version, i, ENC_FULL, bytes(cf.data), peer))
+
+    def _on_request(self, link: _Link, payload: bytearray) -> None:
+        kind, d = decode_request(payload)
+        b = self.bc
+        if kind == REQ_HAVE:
+            h: ChunkHave = d["m"]
+            if h.peer_id != link.peer:
+                raise SchemaError("ChunkHave names another peer")
+            if b is not None and h.version == b.version:
+                self._act(b, b.relay.on_have(link.peer, h.have, now=trio.current_time()))
+            elif b is None or h.version > b.version:
+                self._early_have[link.peer] = h
+        elif kind == REQ_GET:
+            r: ChunkRequest = d["m"]
+            if b is not None and r.version == b.version:
+                self._act(b, b.relay.on_request(link.peer, r.indices, now=trio.current_time()))
+        # hello/stats/full are for the hub; a node ignores them
+
+    # --- storing -------------------------------------------------------------------------------
+    def _decode_store(self, m: Manifest, i: int, flag: int, data: bytes) -> str:
+        entry = m.chunks[i]
+        if self.store.has(entry.raw_hash):
+            return "stored"
+        if flag == ENC_FULL:
+            raw = packing.decode_full_fallback(entry, data, bf16_split=m.bf16_split)
+        else:
+            parent_raw = None
+            if entry.encoding == "delta":
+                assert entry.parent_raw_hash is not None
+                parent_raw = self.store.get_or_none(entry.parent_raw_hash)
+                if parent_raw is None:
+                    return "need_full"
+            raw = packing.decode_chunk(entry, data, parent_raw, bf16_split=m.bf16_split)
+        self.store.put(entry.raw_hash, raw)
+        return "stored"
+
+    async def _store_worker(self) -> None:
+        async for version, i, flag, data, peer in self._store_rx:
+            b = self.bc
+            if b is None or b.version != version or b.done:
+                continue
+            try:
+                outcome = await trio.to_thread.run_sync(self._decode_store, b.manifest, i, flag, data)
+            except (ChunkMismatch, ManifestError) as exc:
+                log.warning("chunk %d of version %d does not decode (%s); asking the hub for it in full", i, version, exc)
+                if flag == ENC_FULL:
+                    self._act(b, b.relay.on_chunk_corrupt(i, peer, digest(data)))
+                outcome = "need_full"
+            if self.bc is not b:
+                continue
+            if outcome == "need_full":
+                b.need_full.add(i)
+                b.full_asked_at = -math.inf  # ask at the next tick
+                continue
+            b.need_full.discard(i)
+            if flag == ENC_FULL and i not in b.relay.have:
+                self._act(b, b.relay.on_chunk_verified(i, now=trio.current_time()))
+            if not b.done and len(b.relay.have) == len(b.manifest.chunks) and not b.need_full:
+                if not await trio.to_thread.run_sync(self.store.missing, b.manifest):
+                    await self._complete(b)
+
+    async def _complete(self, b: _Broadcast) -> None:
+        b.done = True
+        held = HeldInfo(b.version, b.manifest, trio.current_time() - b.t0)
+        self.held = held
+        log.info("holds version %d verified (%.2fs)", b.version, held.seconds)
+        await self._report_holds(held)
+        self.holds_event.set()
+        self.holds_event = trio.Event()
+        if self.on_holds is not None:
+            res = self.on_holds(held)
+            if res is not None:
+                await res
+
+    async def _report_holds(self, held: HeldInfo) -> None:
+        link = self.links.get(self.hub_peer)
+        if link is None:
+            return
+        msg = HoldsVersion(peer_id=self.me, version=held.version, seconds=max(0.0, held.seconds))
+        try:
+            await link.conn.send_message(envelope.seal(self.identity, msg, ttl_s=600))
+        except Echo2Error as exc:
+            log.debug("holds report to the hub failed: %s", exc)
+
+    # --- sending -------------------------------------------------------------------------------
+    def _encoded_for(self, m: Manifest, i: int) -> tuple[int, bytes]:
+        """Bytes to send for chunk ``i``: the manifest's encoding, re-made from the stored raw
+        chunk when we never received it encoded (resumed or unchanged chunks), else ``full``."""
+        entry = m.chunks[i]
+        raw = self.store.get(entry.raw_hash)
+        if entry.encoding == "full":
+            enc = packing.encode_chunk(raw, None, bf16_split=m.bf16_split)
+        else:
+            assert entry.parent_raw_hash is not None
+            parent = self.store.get_or_none(entry.parent_raw_hash)
+            enc = packing.encode_chunk(raw, parent, bf16_split=m.bf16_split) if parent is not None else b""
+        if len(enc) == entry.enc_size and digest(enc) == entry.enc_hash:
+            return ENC_MANIFEST, enc
+        return ENC_FULL, packing.encode_chunk(raw, None, bf16_split=m.bf16_split)
+
+    async def _sender(self, link: _Link) -> None:
+        async for ver, i in link.rx:
+            b = self.bc
+            if b is None or b.version != ver:
+                continue
+            link.inflight.add((ver, i))
+            try:
+                cached = b.encoded.get(i)
+                if cached is not None:
+                    flag, data = ENC_MANIFEST, cached
+                else:
+                    flag, data = await trio.to_thread.run_sync(self._encoded_for, b.manifest, i)
+                if self.cfg.corrupt_sends:
+                    bad = bytearray(data)
+                    bad[len(bad) // 2] ^= 0xFF
+                    data = bytes(bad)
+                await link.conn.send_chunk(pack_chunk_frame(ver, i, flag, data))
+            except (Echo2Error, KeyError) as exc:
+                link.inflight.discard((ver, i))
+                log.info("sending chunk %d to %s failed: %s", i, link.peer, exc)
+                if self.bc is b:
+                    self._act(b, b.relay.on_send_failed(link.peer, i))
+                if not link.conn.usable:
+                    return
+                continue
+            link.inflight.discard((ver, i))
+            b.bytes_sent += len(data)
+            if self.bc is b:
+                self._act(b, b.relay.on_child_ack(link.peer, i, now=trio.current_time()))
+
+    def _act(self, b: _Broadcast, actions: list[Any]) -> None:
+        for a in actions:
+            if isinstance(a, Send):
+                item = (b.version, a.index)
+                link = self.links.get(a.peer)
+                if link is not None:
+                    link.tx.send_nowait(item)
+                else:
+                    self._pending.setdefault(a.peer, []).append(item)
+            elif isinstance(a, Request):
+                self._spawn(self._request, b.version, a.peer, a.indices, REQ_GET)
+            elif isinstance(a, Report):
+                self.evidence.append((b.version, a.evidence))
+                log.warning("evidence: chunk %d of v%d from %s is corrupt", a.evidence.index, b.version, a.evidence.peer)
+                if self.on_evidence is not None:
+                    res = self.on_evidence(b.version, a.evidence)
+                    if res is not None:
+                        self._spawn(_await, res)
+            elif isinstance(a, Complete):
+                log.debug("version %d: every chunk verified (encoded)", b.version)
+
+    async def _ensure_link(self, peer: str) -> _Link | None:
+        if peer in self.links:
+            return self.links[peer]
+        if peer == self.hub_peer:
+            return None  # the hub link is kept by _hub_loop
+        ev = self._dialing.get(peer)
+        if ev is not None:
+            await ev.wait()
+            return self.links.get(peer)
+        b = self.bc
+        addr = b.plan.data_addrs.get(peer) if b is not None else None
+        if not addr:
+            return None
+        ev = self._dialing[peer] = trio.Event()
+        try:
+            conn = await connect(addr, self.identity, peer, timeout_s=self.cfg.connect_timeout_s, upload_limiter=self.limiter)
+            assert self._nursery is not None
+            link: _Link = await self._nursery.start(self._link_main_dialed, conn)
+            return link
+        except (Echo2Error, OSError) as exc:
+            log.info("cannot reach peer %s at %s: %s", peer, addr, exc)
+            return None
+        finally:
+            del self._dialing[peer]
+            ev.set()
+
+    async def _link_main_dialed(self, conn: DataConnection, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
+        try:
+            await self._link_main(conn, task_status=task_status)
+        except (Echo2Error, OSError) as exc:
+            log.info("link to %s ended: %s", conn.peer_id, exc)
+        finally:
+            if conn.usable:
+                await conn.aclose()
+            else:
+                await conn.abort()
+
+    async def _request(self, version: int, peer: str, indices: tuple[int, ...], kind: str) -> None:
+        link = await self._ensure_link(peer)
+        if link is None:
+            return  # the relay's request timer moves the chunks to another source
+        try:
+            await link.conn.send_request(encode_request(kind, m=ChunkRequest(version=version, indices=list(indices)).to_wire()))
+        except Echo2Error as exc:
+            log.info("request to %s failed: %s", peer, exc)
+
+    async def _send_have(self, link: _Link) -> None:
+        b = self.bc
+        if b is None:
+            return
+        bitmap = bitmap_from_indices(b.relay.have, len(b.manifest.chunks))
+        msg = ChunkHave(peer_id=self.me, version=b.version, have=bitmap)
+        try:
+            await link.conn.send_request(encode_request(REQ_HAVE, m=msg.to_wire()))
+        except Echo2Error as exc:
+            log.debug("have to %s failed: %s", link.peer, exc)
+
+    async def _send_have_all(self) -> None:
+        b = self.bc
+        if b is None:
+            return
+        b.have_sent = len(b.relay.have)
+        for link in list(self.links.values()):
+            if link.peer != self.hub_peer:
+                self._spawn(self._send_have, link)
+
+    async def _ticker(self) -> None:
+        last_stats = 0.0
+        while True:
+            await trio.sleep(self.cfg.tick_s)
+            b = self.bc
+            if b is None:
+                continue
+            now = trio.current_time()
+            if len(b.relay.have) < len(b.manifest.chunks):
+                self._act(b, b.relay.on_tick(now))
+            if len(b.relay.have) != b.have_sent:
+                await self._send_have_all()
+            if b.need_full and now - b.full_asked_at > self.cfg.request_timeout_s:
+                b.full_asked_at = now
+                self._spawn(self._request_full, b.version, tuple(sorted(b.need_full)))
+            if b.bytes_sent != b.stats_sent and now - last_stats > 0.5:
+                hub = self.links.get(self.hub_peer)
+                if hub is not None:
+                    b.stats_sent = b.bytes_sent
+                    last_stats = now
+                    try:
+                        await hub.conn.send_request(
+                            encode_request(REQ_STATS, v=b.version, sent=b.bytes_sent, recv=b.bytes_received)
+                        )
+                    except Echo2Error:
+                        pass
+
+    async def _request_full(self, version: int, indices: tuple[int, ...]) -> None:
+        link = self.links.get(self.hub_peer)
+        if link is None:
+            return
+        try:
+            await link.conn.send_request(encode_request(REQ_FULL, m=ChunkRequest(version=version, indices=list(indices)).to_wire()))
+        except Echo2Error as exc:
+            log.info("full request to the hub failed: %s", exc)
+
+
+async def _await(x: Awaitable[None]) -> None:
+    await x
+
+
+# --- process entry point (benches, tests) ---------------------------------------------------------
+
+
+def _parse(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m echo2.node.relay_runtime", description="broadcast-only node")
+    p.add_argument("--hub-addr", required=True, help="hub data plane host:port")
+    p.add_argument("--hub-peer", required=True, help="hub peer ID")
+    p.add_argument("--dir", required=True, help="data directory (key and chunk store)")
+    p.add_argument("--upload-MBps", dest="upload_MBps", type=float, default=0.0)
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--stall-s", dest="stall_s", type=float, default=RelayConfig.stall_timeout_s)
+    p.add_argument("--corrupt", action="store_true", help="fault injection: corrupt every chunk sent")
+    p.add_argument("--log-level", default="WARNING")
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parse(argv)
+    logging.basicConfig(level=args.log_level, format="%(asctime)s %(name)s %(levelname)s %(message)s", stream=sys.stderr)
+    os.makedirs(args.dir, exist_ok=True)
+    identity = Identity.load_or_create(os.path.join(args.dir, "node.key"))
+    store = ChunkStore(os.path.join(args.dir, "store"))
+    cfg = RelayConfig(upload_MBps=args.upload_MBps, stall_timeout_s=args.stall_s, corrupt_sends=args.corrupt)
+
+    async def amain() -> None:
+        node = RelayNode(identity, store, args.hub_peer, args.hub_addr, cfg, host=args.host)
+        async with trio.open_nursery() as nursery:
+            await nursery.start(node.run)
+            print(f"READY {identity.peer_id} {node.data_addr}", flush=True)
+            with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as sigs:
+                async for _ in sigs:
+                    nursery.cancel_scope.cancel()
+                    break
+
+    t0 = time.time()
+    trio.run(amain)
+    log.info("node exits after %.1fs", time.time() - t0)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
