@@ -4,8 +4,10 @@ Units: ``--mbytes`` in MB (10**6 bytes) and ``--link-MBps`` in MB/s (10**6 bytes
 ``ideal_seconds = mbytes / link_MBps`` exactly; ``--chunk-bytes`` in bytes. Every node and the
 hub upload at ``--link-MBps`` (unless ``--hub-MBps`` is given).
 
-Only the ``--simulate`` path (``echo2.bench.broadcast_sim``) exists so far; without it,
-:func:`run_real` is called, which will start real node processes once a node runtime exists.
+``--simulate`` runs the discrete-event simulation (``echo2.bench.broadcast_sim``); without it,
+:func:`run_real` starts one real node process per node on 127.0.0.1 and a hub in this process
+(star: ``StarSender``; pipelined: ``echo2.learner_hub.broadcast.PipelinedSender``) and publishes a
+version of ``--mbytes`` MB of random (incompressible) bytes. Real runs default to 1 MiB chunks.
 """
 
 from __future__ import annotations
@@ -13,8 +15,12 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
+from types import SimpleNamespace
+from typing import Any
 
 log = logging.getLogger(__name__)
+MB = 1_000_000
 
 
 def _int_list(text: str) -> list[int]:
@@ -51,9 +57,131 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--plot", default=None, help="PNG: seconds against N for each mode, with the floor M/B")
 
 
+REAL_CHUNK_BYTES = 1 << 20  # 1 MiB: 32 chunks for 32 MB keeps the pipeline term (S*depth/k) small
+
+
+def _spawn_nodes(n: int, hub_addr: str, hub_peer: str, link_MBps: float, root: str,
+                 corrupt: frozenset[int] = frozenset()) -> list[Any]:
+    import subprocess
+    import sys
+
+    procs = []
+    for i in range(n):
+        d = os.path.join(root, f"node{i}")
+        os.makedirs(d, exist_ok=True)
+        cmd = [sys.executable, "-m", "echo2.node.relay_runtime", "--hub-addr", hub_addr, "--hub-peer", hub_peer,
+               "--dir", d, "--upload-MBps", str(link_MBps)]
+        if i in corrupt:
+            cmd.append("--corrupt")
+        with open(os.path.join(d, "log.txt"), "wb") as logf:
+            procs.append(subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=logf))
+    return procs
+
+
+def _stop_nodes(procs: list[Any]) -> None:
+    import subprocess
+
+    for p in procs:
+        if p.poll() is None:
+            p.terminate()
+    for p in procs:
+        try:
+            p.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
+
+
+async def _real_mode(mode: str, n: int, mbytes: float, link_MBps: float, hub_MBps: float, chunk: int,
+                     root: str, connect_timeout_s: float = 180.0) -> dict[str, object]:
+    import numpy as np
+    import torch
+    import trio
+
+    from echo2.learner_hub.broadcast import PipelinedSender, StarWithHolds
+    from echo2.learner_hub.publisher import PolicyPublisher, StarSender
+    from echo2.protocol.identity import Identity
+    from echo2.protocol.net.dataplane import DataPlaneServer
+    from echo2.protocol.net.ratelimit import UploadLimiter
+
+    identity = Identity.generate()
+    cfg = SimpleNamespace(chunk_bytes=chunk, full_every=10)
+    publisher = PolicyPublisher(identity, "{}", {}, cfg)
+    sender: Any
+    if mode == "star":
+        sender = StarWithHolds(StarSender(publisher))
+    else:
+        sender = PipelinedSender(publisher, identity, hub_upload_MBps=hub_MBps)
+    server = DataPlaneServer(identity, sender.serve_connection, upload_limiter=UploadLimiter(hub_MBps),
+                             max_connections=max(256, 4 * n))
+    total = int(round(mbytes * MB))
+    # Incompressible: zstd stores random bytes as they are, so M MB really travel.
+    state = {"w": torch.from_numpy(np.random.default_rng(1).integers(0, 256, total, dtype=np.uint8))}
+    procs: list[Any] = []
+    try:
+        async with trio.open_nursery() as nursery:
+            await nursery.start(server.serve)
+            if mode == "pipelined":
+                sender.data_addr = server.addr
+            procs = _spawn_nodes(n, server.addr, identity.peer_id, link_MBps, os.path.join(root, mode))
+            with trio.fail_after(connect_timeout_s):
+                while len(sender.hello) < n:
+                    await sender.changed.wait()
+            await trio.sleep(0.5)
+            await publisher.publish(1, state)
+            sender.notify()
+            limit = 20 * mbytes / min(link_MBps, hub_MBps) * max(1.0, n / 4) + 60
+            with trio.fail_after(limit):
+                while sender.holders(1) < n:
+                    await sender.changed.wait()
+            await trio.sleep(1.0)  # late stats reports
+            m = sender.version_metrics(1)
+            nursery.cancel_scope.cancel()
+    finally:
+        _stop_nodes(procs)
+    assert m is not None
+    ideal = mbytes / min(link_MBps, hub_MBps)
+    hub_sent = int(sender.bytes_sent)
+    return {
+        "mode": mode,
+        "nodes": n,
+        "seconds": m["last_s"],
+        "median_seconds": m["median_s"],
+        "first_seconds": m["first_s"],
+        "ideal_seconds": ideal,
+        "ratio": m["last_s"] / ideal,
+        "hub_sent_bytes": hub_sent,
+        "peer_sent_bytes": int(m["peer_sent_bytes"]),
+        "chunks": -(-total // chunk),
+        "chunk_bytes": chunk,
+        "simulated": False,
+    }
+
+
 def run_real(args: argparse.Namespace) -> list[dict[str, object]]:
-    """Real processes over the data plane (not written yet)."""
-    raise SystemExit("real-process broadcast not available yet; use --simulate")
+    """Real node processes (``python -m echo2.node.relay_runtime``) on 127.0.0.1, every upload (the
+    hub's too) limited by the data plane's token bucket; the hub runs in this process. Each row
+    carries the simulator's prediction for the same parameters (``sim_seconds``, ``sim_vs_real``)."""
+    import tempfile
+
+    import trio
+
+    from echo2.bench import broadcast_sim as sim
+
+    chunk = args.chunk_bytes or REAL_CHUNK_BYTES
+    hub_MBps = args.hub_MBps or args.link_MBps
+    rows: list[dict[str, object]] = []
+    with tempfile.TemporaryDirectory(prefix="echo2-bcast-") as root:
+        for n in args.nodes:
+            for mode in args.mode:
+                row = trio.run(_real_mode, mode, n, args.mbytes, args.link_MBps, hub_MBps, chunk, root)
+                p = sim.simulate(mode, n, args.mbytes, args.link_MBps, chunk, hub_MBps=args.hub_MBps)
+                row["sim_seconds"] = p.seconds
+                row["sim_median_seconds"] = p.median_seconds
+                row["sim_vs_real"] = p.seconds / float(row["seconds"])  # type: ignore[arg-type]
+                rows.append(row)
+                log.info("real %s N=%d: %.2fs (simulated %.2fs)", mode, n, row["seconds"], p.seconds)
+    return rows
 
 
 def run_simulated(args: argparse.Namespace) -> list[dict[str, object]]:
@@ -126,7 +254,7 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         nodes: object = args.nodes[0] if len(args.nodes) == 1 else args.nodes
         doc = {"nodes": nodes, "mbytes": args.mbytes, "link_MBps": args.link_MBps, "hub_MBps": args.hub_MBps,
-               "chunk_bytes": args.chunk_bytes or _default_chunk(), "simulated": bool(args.simulate),
+               "chunk_bytes": args.chunk_bytes or (_default_chunk() if args.simulate else REAL_CHUNK_BYTES), "simulated": bool(args.simulate),
                "results": rows}
         with open(args.json, "w") as f:
             json.dump(doc, f, indent=2)

@@ -13,7 +13,7 @@ from typing import Any
 
 def register(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--nodes", type=int, default=2, help="node processes (default 2)")
-    parser.add_argument("--steps", type=int, default=150, help="learner steps (default 150)")
+    parser.add_argument("--steps", type=int, default=300, help="learner steps (default 300)")
     parser.add_argument("--staleness", type=int, default=1, help="staleness bound S (default 1)")
     parser.add_argument("--task", default="copy", choices=["copy", "reverse", "arith"])
     parser.add_argument("--seed", type=int, default=0)

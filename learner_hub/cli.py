@@ -1,13 +1,14 @@
-"""``echo2 hub init | run``."""
+"""``echo2 hub init | run | admit | token | nodes | ledger | plan``."""
 
 from __future__ import annotations
 
 import argparse
+import time
 from pathlib import Path
 
 
 def register(parser: argparse.ArgumentParser) -> None:
-    sub = parser.add_subparsers(dest="hub_cmd", metavar="{init,run}")
+    sub = parser.add_subparsers(dest="hub_cmd", metavar="{init,run,admit,token,nodes,ledger,plan}")
     sub.required = True
     init = sub.add_parser("init", help="write a commented config and the hub's key", description="write a commented config and the hub's key")
     init.add_argument("--dir", type=Path, required=True, help="hub directory")
@@ -20,6 +21,31 @@ def register(parser: argparse.ArgumentParser) -> None:
     run.add_argument("--steps", type=int, default=None, help="override the config's step count")
     run.add_argument("--exit-when-done", action="store_true", help="stop after the last step")
     run.set_defaults(func=_run)
+
+    def dir_arg(p: argparse.ArgumentParser) -> None:
+        p.add_argument("--dir", type=Path, default=Path("."), help="hub directory (default: current directory)")
+
+    admit = sub.add_parser("admit", help="add a peer ID to the allowlist", description="add a peer ID to the allowlist (admission = allowlist or token)")
+    admit.add_argument("peer_id")
+    admit.add_argument("--note", default="")
+    dir_arg(admit)
+    admit.set_defaults(func=_admit)
+    token = sub.add_parser("token", help="print a signed join token", description="print a join token signed by the hub's key")
+    token.add_argument("--expires", default="7d", help="lifetime, e.g. 30m, 12h, 7d (default 7d)")
+    token.add_argument("--peer", default=None, help="bind the token to one peer ID")
+    dir_arg(token)
+    token.set_defaults(func=_token)
+    nodes = sub.add_parser("nodes", help="the fleet: hardware, price, measured rate, reputation, state, cost", description="the fleet table")
+    dir_arg(nodes)
+    nodes.set_defaults(func=_nodes)
+    ledger = sub.add_parser("ledger", help="per-node cost and production ledger", description="per-node cost and production ledger")
+    ledger.add_argument("--csv", action="store_true")
+    dir_arg(ledger)
+    ledger.set_defaults(func=_ledger)
+    plan = sub.add_parser("plan", help="capacity model for the current fleet", description="required rate, eligible nodes, smallest S, predicted utilization")
+    plan.add_argument("--staleness", type=int, default=None)
+    dir_arg(plan)
+    plan.set_defaults(func=_plan)
 
 
 def _init(args: argparse.Namespace) -> int:
@@ -51,3 +77,60 @@ def _run(args: argparse.Namespace) -> int:
     if args.exit_when_done:
         cfg.exit_when_done = True
     return run_hub(cfg)
+
+
+def _store(d: Path):  # type: ignore[no-untyped-def]
+    from echo2.learner_hub.store import HubStore
+
+    if not (d / "hub.sqlite").exists() and not (d / "hub.key").exists():
+        raise SystemExit(f"{d} is not a hub directory (no hub.key / hub.sqlite); use --dir")
+    return HubStore.in_dir(d)
+
+
+def _admit(args: argparse.Namespace) -> int:
+    from echo2.protocol.identity import IdentityError, public_key_from_peer_id
+
+    try:
+        public_key_from_peer_id(args.peer_id)
+    except IdentityError as exc:
+        raise SystemExit(f"not an Ed25519 peer ID: {exc}") from exc
+    with _store(args.dir) as store:
+        store.allow(args.peer_id, time.time(), note=args.note)
+    print(f"allowlisted {args.peer_id}")
+    return 0
+
+
+def _token(args: argparse.Namespace) -> int:
+    from echo2.learner_hub.admission import make_join_token, parse_duration
+    from echo2.protocol.identity import Identity
+
+    ttl = parse_duration(args.expires)
+    ident = Identity.load(args.dir / "hub.key")
+    print(make_join_token(ident, ttl_s=ttl, now=time.time(), peer_id=args.peer))
+    return 0
+
+
+def _nodes(args: argparse.Namespace) -> int:
+    with _store(args.dir) as store:
+        print(store.nodes_report())
+    return 0
+
+
+def _ledger(args: argparse.Namespace) -> int:
+    with _store(args.dir) as store:
+        print(store.ledger_report(as_csv=args.csv))
+    return 0
+
+
+def _plan(args: argparse.Namespace) -> int:
+    from echo2.learner_hub.capacity import NodeCapacity, capacity_report
+
+    with _store(args.dir) as store:
+        meta = store.get_meta("capacity", None)
+    if not meta:
+        print("no capacity measurements yet: run the hub with some nodes first")
+        return 1
+    nodes = [NodeCapacity(n["node_id"], n["load_s"], n["task_s"], n["rate"]) for n in meta["nodes"]]
+    s = meta["staleness"] if args.staleness is None else args.staleness
+    print(capacity_report(meta["batch"], max(meta["t_train"], 1e-3), s, nodes).format())
+    return 0

@@ -41,7 +41,7 @@ class HubConfig:
     max_new_tokens: int = 6
     temperature: float = 1.0
     top_p: float = 1.0
-    lr: float = 3e-4
+    lr: float = 5e-4
     clip_eps: float = 0.2
     kl_coef: float = 0.0
     seed: int = 0
@@ -53,6 +53,9 @@ class HubConfig:
     chunk_bytes: int = 0
     full_every: int = 10
     exit_when_done: bool = False
+    checkpoint_every: int = 10
+    logprob_tolerance: float = 1e-3
+    allowlist: list[str] = field(default_factory=list)
     extra: dict[str, Any] = field(default_factory=dict)
 
     @property
@@ -129,10 +132,14 @@ task_target_s = {task_target_s}         # tasks are sized to take about this lon
 chunk_bytes = {chunk_bytes}            # 0 = packing default
 full_every = {full_every}             # a full snapshot every K versions bounds delta chains
 exit_when_done = {exit_when_done}   # stop the hub after `steps`
+checkpoint_every = {checkpoint_every}       # checkpoint policy, optimizer and step every K steps (restart resumes)
+logprob_tolerance = {logprob_tolerance}   # node log-probs must match the learner's recompute within this
+allowlist = {allowlist_toml}              # peer IDs admitted in allowlist mode (also: echo2 hub admit PEER_ID)
 """
 
 
 def render_config(cfg: HubConfig) -> str:
     values = asdict(cfg)
     values["exit_when_done"] = "true" if cfg.exit_when_done else "false"
+    values["allowlist_toml"] = "[" + ", ".join(f'"{p}"' for p in cfg.allowlist) + "]"
     return _TEMPLATE.format(**values)

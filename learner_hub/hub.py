@@ -15,14 +15,15 @@ import random
 import signal
 import time
 from collections import Counter, deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import trio
 
-from echo2.protocol import envelope
-from echo2.protocol.errors import MeaningError, SignerNotAllowed
+from echo2.protocol import canonical, envelope
+from echo2.protocol.errors import Echo2Error, MeaningError, NotAdmitted, SignerNotAllowed
 from echo2.protocol.identity import Identity
 from echo2.protocol.messages import (
     AdmissionDecision,
@@ -50,9 +51,14 @@ from echo2.protocol.wire import (
     WORK_POLL_S,
 )
 
+from .admission import AdmissionPolicy
 from .config import HubConfig
 from .dispatch import DispatchConfig, Dispatcher, PromptGroup, ReplayBuffer
+from .ledger import Ledger
 from .publisher import PolicyPublisher, StarSender
+from .reputation import Event, ReputationBook
+from .status_http import StatusServer, hub_metrics
+from .store import HubStore
 
 log = logging.getLogger(__name__)
 
@@ -133,6 +139,7 @@ class Hub:
         )
         self.buffer: ReplayBuffer[Any] = ReplayBuffer(cfg.staleness)
         self.pending: dict[str, PendingGroup] = {}
+        self._batch_tasks: dict[str, int] = {}  # task id -> groups of it still in the buffer
         self.task_hashes: dict[str, bytes] = {}
         self.nodes: dict[str, NodeInfo] = {}
         self.replay = envelope.ReplayGuard()
@@ -148,13 +155,68 @@ class Hub:
         self.started = time.time()
         self.done = trio.Event()
         self.training = False
+        self._fleet_changed_pending = False
         self.addrs: list[str] = []
         self.data_addr = ""
+        self.status_url = ""
+        # operator state: persisted in DIR/hub.sqlite, checkpoints in DIR/checkpoints
+        self.store = HubStore.in_dir(self.dir)
+        self.ledger = Ledger.restore(self.store.load_ledger())
+        self.reputation = ReputationBook()
+        for rec in self.store.list_nodes():
+            if rec.rep_state:
+                self.reputation.restore(rec.peer_id, rec.rep_state)
+        self.admission = AdmissionPolicy(
+            cfg.admission,
+            cfg.allowlist,
+            hub_peer_id=self.identity.peer_id,
+            ban_reason=self.store.ban_reason,
+            is_allowed=self.store.is_allowed,
+        )
+        self.resumed_from: int | None = None
+        self._resume()
+
+    # --- persistence ---------------------------------------------------------------------------
+    def _resume(self) -> None:
+        """Continue from the last checkpoint; results accepted after it go back into the buffer."""
+        ck = self.store.latest_checkpoint()
+        if ck is None:
+            return
+        step, state = ck
+        self.learner.load_checkpoint_state(state)
+        self._prompt_seq = int(state.get("prompt_seq", 0))
+        self.history = list(state.get("history", []))
+        self.busy_s = float(state.get("busy_s", 0.0))
+        self.resumed_from = step
+        restored = 0
+        for pr in self.store.pending_results(after_step=step):
+            try:
+                groups = _decode_groups(pr.payload)
+            except Echo2Error as exc:
+                log.warning("dropping unreadable pending result %s: %s", pr.task_id, exc)
+                self.store.drop_pending([pr.task_id], "unreadable")
+                continue
+            for g in groups:
+                self.buffer.add((pr.task_id, g), pr.version, step)
+            self._batch_tasks[pr.task_id] = len(groups)
+            restored += 1
+        log.info("resumed from checkpoint at step %d; %d accepted results not yet trained restored", step, restored)
+
+    def _checkpoint(self) -> None:
+        state = self.learner.checkpoint_state()
+        state["prompt_seq"] = self._prompt_seq
+        state["history"] = self.history
+        state["busy_s"] = self.busy_s
+        self.store.save_checkpoint(self.learner.version, state)
 
     # --- small helpers -------------------------------------------------------------------------
-    def _signer_is(self, peer: str, admitted: bool = True):  # type: ignore[no-untyped-def]
+    def _signer_is(self, peer: str, admitted: bool = True) -> Callable[[str, type], bool]:
         def allowed(signer: str, _t: type) -> bool:
-            return signer == peer and (not admitted or signer in self.nodes)
+            if signer != peer:
+                return False
+            if admitted and signer not in self.nodes:
+                raise NotAdmitted("this node is not admitted (the hub may have restarted): request admission")
+            return True
 
         return allowed
 
@@ -238,17 +300,23 @@ class Hub:
         req = v.message
         if req.peer_id != peer or req.announce.peer_id != peer:
             raise MeaningError("admission request names another peer")
-        admitted, reason = True, "open admission"
-        if self.cfg.admission != "open":
-            admitted, reason = False, f"admission mode {self.cfg.admission!r} is not available in this version"
-        if admitted:
-            now = time.time()
+        now = time.time()
+        d = self.admission.decide(peer, req.join_token, now)
+        admitted, reason = d.admitted, d.reason
+        self.store.log_admission(peer, now, admitted, d.code, reason)
+        if not admitted:
+            self.refusals[f"admission_{d.code}"] += 1
+            log.warning("refused admission of %s: %s", peer, reason)
+        else:
             node = self.nodes.get(peer)
             if node is None:
                 self.nodes[peer] = NodeInfo(peer, req.announce, now, now)
                 log.info("admitted node %s (%s, price %.3f $/h)", peer, req.announce.cpu_model or "?", req.announce.price_usd_per_hour)
+                self._fleet_changed_pending = True
             else:
                 node.announce, node.last_seen = req.announce, now
+            self.store.upsert_node(peer, now, announce=req.announce.to_wire(), price=req.announce.price_usd_per_hour, state="active")
+            self.ledger.activate(peer, now, req.announce.price_usd_per_hour)
             self.dispatcher.add_node(peer, rate=max(req.announce.rollouts_per_s, 1.0))
         decision = AdmissionDecision(
             peer_id=peer,
@@ -281,26 +349,57 @@ class Hub:
         r = v.message
         node = self.nodes[peer]
         node.last_seen = time.time()
-        if r.node_id != peer:
-            node.refused += 1
-            raise SignerNotAllowed("result names another node")
-        expected = self.task_hashes.get(r.task_id)
-        if expected is not None and expected != r.task_hash:
-            node.refused += 1
-            raise MeaningError("result is bound to a different task (task hash mismatch)")
-        task = self.dispatcher.in_flight.get(r.task_id)
-        if task is not None and task.node_id == peer:
-            self._check_completions(task, r)
+        try:
+            if r.node_id != peer:
+                raise SignerNotAllowed("result names another node")
+            expected = self.task_hashes.get(r.task_id)
+            if expected is not None and expected != r.task_hash:
+                raise MeaningError("result is bound to a different task (task hash mismatch)")
+            task = self.dispatcher.in_flight.get(r.task_id)
+            if task is not None and task.node_id == peer:
+                self._check_completions(task, r)
+        except Echo2Error as exc:
+            self._punish(peer, Event.FORGED, exc.message)
+            self.store.record_result(r.task_id, peer, r.version, accepted=False, reason=exc.code, tokens=r.tokens,
+                                     rollouts=len(r.completions), received_at=time.time())
+            raise
         verdict = self.dispatcher.on_result(time.time(), r.task_id, peer, r.version, self.learner.version, len(r.completions))
         if not verdict.accepted:
             node.refused += 1
+            self.ledger.refuse(peer, verdict.code.value)
+            self.store.record_result(r.task_id, peer, r.version, accepted=False, reason=verdict.code.value,
+                                     tokens=r.tokens, rollouts=len(r.completions), received_at=time.time())
             self._pump()
             raise MeaningError(f"result refused: {verdict.code.value}")
         assert verdict.task is not None
-        self._admit_result(verdict.task, r, node)
+        groups = self._admit_result(verdict.task, r, node)
+        self.store.record_result(r.task_id, peer, r.version, accepted=True, reason="accepted", tokens=r.tokens,
+                                 rollouts=len(r.completions), received_at=time.time(), payload=_encode_groups(groups))
+        self.store.close_task(r.task_id, "done", time.time())
+        self.ledger.accept(peer, len(r.completions), r.tokens)
+        self.reputation.record(peer, Event.ACCEPTED)
         self._refill()
         self._pump()
         return envelope.seal(self.identity, ErrorReply(code="ok", message="accepted"))
+
+    def _punish(self, peer: str, event: Event, detail: str) -> None:
+        node = self.nodes.get(peer)
+        if node is not None:
+            node.refused += 1
+        out = self.reputation.record(peer, event, detail)
+        self.store.set_reputation(peer, out.score, self.reputation.snapshot(peer))
+        if out.ban:
+            self.ban(peer, out.ban)
+
+    def ban(self, peer: str, reason: str) -> None:
+        log.warning("banning node %s: %s", peer, reason)
+        now = time.time()
+        self.store.ban(peer, reason, now)
+        self.refusals["banned"] += 1
+        self.dispatcher.on_node_left(peer)
+        self.ledger.deactivate(peer, now)
+        self.nodes.pop(peer, None)
+        self._pump()
 
     def _check_completions(self, task: Any, r: Result) -> None:
         vocab = self.tok.vocab_size
@@ -316,9 +415,10 @@ class Hub:
             if any(t >= vocab for t in c.token_ids):
                 raise MeaningError("token id outside the vocabulary")
 
-    def _admit_result(self, task: Any, r: Result, node: NodeInfo) -> None:
+    def _admit_result(self, task: Any, r: Result, node: NodeInfo) -> list[Any]:
         from .learner import Group, Sample
 
+        out: list[Any] = []
         by_prompt: dict[int, list[Any]] = {}
         for c in r.completions:
             by_prompt.setdefault(c.prompt_index, []).append(c)
@@ -341,11 +441,15 @@ class Hub:
                         finish_reason=c.finish_reason,
                     )
                 )
-            self.buffer.add(Group(prompt_ids=pend.prompt_ids, samples=samples), r.version, self.learner.version)
+            group = Group(prompt_ids=pend.prompt_ids, samples=samples)
+            out.append(group)
+            if self.buffer.add((r.task_id, group), r.version, self.learner.version):
+                self._batch_tasks[r.task_id] = self._batch_tasks.get(r.task_id, 0) + 1
         node.tasks_done += 1
         node.rollouts += len(r.completions)
         node.tokens += r.tokens
         self._buffer_changed.set()
+        return out
 
     async def on_decline(self, peer: str, data: bytes) -> bytes:
         v = envelope.open_envelope(data, TaskDecline, replay=self.replay, allowed=self._signer_is(peer))
@@ -384,7 +488,7 @@ class Hub:
             self.training = True
             self._pump()
             try:
-                stats = await trio.to_thread.run_sync(self.learner.step, [g for _, g in batch])
+                stats = await trio.to_thread.run_sync(self.learner.step, [g for _, (_, g) in batch])
             finally:
                 self.training = False
             t1 = time.time()
@@ -406,13 +510,91 @@ class Hub:
                 "step %d reward %.3f loss %.4f staleness %.2f busy %.2f",
                 self.learner.version, stats.reward_mean, stats.loss, stats.staleness_mean, self.busy_fraction(),
             )
+            self._verify(stats)
             await self.publish()
             self._refill()
             self._pump()
+            await trio.to_thread.run_sync(self._persist_step, [tid for _, (tid, _) in batch])
             self.write_status()
         log.info("finished %d steps", self.cfg.steps)
         self.write_status(final=True)
         self.done.set()
+
+    def _verify(self, stats: Any) -> None:
+        """BRIEF §7: rows made with the learner's own version must match its recomputed log-probs."""
+        for peer, diff in stats.mismatch_by_node.items():
+            if not peer:
+                continue
+            if diff > self.cfg.logprob_tolerance:
+                self._punish(peer, Event.MISMATCH, f"max |Δlogprob| {diff:.3g} > {self.cfg.logprob_tolerance:g}")
+            else:
+                self.reputation.record(peer, Event.CHECK_OK)
+
+    # --- capacity model (BRIEF §5) ----------------------------------------------------------------
+    def t_train(self) -> float:
+        recent = [h["train_s"] for h in self.history[-20:]]
+        return sum(recent) / len(recent) if recent else 0.0
+
+    def fleet_capacity(self) -> list[Any]:
+        """Per node D_i (receive + load a version), G_i (one task) and r_i, all hub-measured."""
+        from .capacity import NodeCapacity
+
+        pub = self.publisher.latest
+        out = []
+        for peer in self.nodes:
+            rate = self.dispatcher.rate_of(peer) if peer in self.dispatcher.nodes else 0.0
+            d = pub.holds.get(peer, 0.0) if pub is not None else 0.0
+            g = (self.cfg.group_size * max(1, self.batch_groups // max(1, len(self.nodes)))) / rate if rate > 0 else 0.0
+            out.append(NodeCapacity(peer, load_s=d, task_s=g, rate=rate))
+        return out
+
+    def capacity_report(self, staleness: int | None = None) -> Any:
+        from .capacity import capacity_report
+
+        nodes = self.fleet_capacity()
+        b = self.batch_groups * self.cfg.group_size
+        t = self.t_train() or 1e-3
+        s = self.cfg.staleness if staleness is None else staleness
+        return capacity_report(b, t, s, nodes)
+
+    def _fleet_changed(self) -> None:
+        rep = self.capacity_report()
+        log.info("fleet changed (%d nodes):\n%s", len(self.nodes), rep.format())
+        self.store.set_meta("capacity", self._capacity_meta())
+
+    def _capacity_meta(self) -> dict[str, Any]:
+        return {
+            "batch": self.batch_groups * self.cfg.group_size,
+            "t_train": self.t_train(),
+            "staleness": self.cfg.staleness,
+            "nodes": [
+                {"node_id": n.node_id, "load_s": n.load_s, "task_s": n.task_s, "rate": n.rate}
+                for n in self.fleet_capacity()
+            ],
+        }
+
+    def _persist_step(self, task_ids: list[str]) -> None:
+        """Mark fully trained results, checkpoint every K steps, persist the ledger (worker thread)."""
+        done = []
+        for tid in task_ids:
+            left = self._batch_tasks.get(tid, 1) - 1
+            if left <= 0:
+                self._batch_tasks.pop(tid, None)
+                done.append(tid)
+            else:
+                self._batch_tasks[tid] = left
+        step = self.learner.version
+        self.store.mark_trained(done, step)
+        if step % max(1, self.cfg.checkpoint_every) == 0 or step >= self.cfg.steps:
+            self._checkpoint()
+            self.store.prune_payloads(step)
+        now = time.time()
+        self.store.save_ledger(self.ledger.snapshot(now), now)
+        for peer in list(self.nodes):
+            if peer in self.dispatcher.nodes:
+                self.store.set_measured_rate(peer, self.dispatcher.rate_of(peer))
+        if step % 10 == 0:
+            self.store.set_meta("capacity", self._capacity_meta())
 
     async def publish(self) -> None:
         sd = self.learner.state_dict_for_publish()
@@ -429,8 +611,14 @@ class Hub:
                 if now - node.last_seen > NODE_SILENCE_S:
                     log.warning("node %s silent for %.0fs: dropping it; its tasks are reassigned", peer, now - node.last_seen)
                     self.dispatcher.on_node_left(peer)
+                    self.ledger.deactivate(peer, now)
+                    self.store.set_node_state(peer, "gone")
+                    self._fleet_changed_pending = True
                     del self.nodes[peer]
                     self._pump()
+            if self._fleet_changed_pending and self.history:
+                self._fleet_changed_pending = False
+                self._fleet_changed()
             self.write_status()
 
     # --- status ----------------------------------------------------------------------------------
@@ -463,10 +651,16 @@ class Hub:
                     "tokens": n.tokens,
                     "refused": n.refused,
                     "price_usd_per_hour": n.announce.price_usd_per_hour,
+                    "reputation": round(self.reputation.score(n.peer_id), 4),
+                    "state": "active",
+                    "cost_usd": _cost(self.ledger.row(n.peer_id, time.time())),
                 }
                 for n in self.nodes.values()
             ],
             "history": self.history,
+            "status_url": self.status_url,
+            "resumed_from": self.resumed_from,
+            "ledger": self.ledger.totals(time.time()).as_dict(),
         }
 
     def write_status(self, final: bool = False) -> None:
@@ -500,7 +694,7 @@ class Hub:
                     self.sender.serve_connection,
                     host=self.cfg.listen_host,
                     port=self.cfg.data_port,
-                    allow=lambda pid: pid in self.nodes,
+                    allow=lambda pid: pid in self.nodes and self.store.ban_reason(pid) is None,
                     upload_limiter=UploadLimiter(self.cfg.upload_limit_MBps) if self.cfg.upload_limit_MBps > 0 else None,
                 )
                 await nursery.start(server.serve)
@@ -511,7 +705,13 @@ class Hub:
                 for a in self.addrs:
                     print(f"  {a}")
                 print(f"  data plane {self.data_addr}", flush=True)
-                await self.publish()  # version 0
+                status = StatusServer(self.status, lambda: hub_metrics(self.status()), host="127.0.0.1", port=self.cfg.status_port)
+                await nursery.start(status.serve)
+                self.status_url = f"http://127.0.0.1:{status.port}/"
+                print(f"  status {self.status_url} (metrics at /metrics)", flush=True)
+                if self.resumed_from is not None:
+                    print(f"  resumed from checkpoint at step {self.resumed_from}", flush=True)
+                await self.publish()  # the current version (0 on a fresh start)
                 nursery.start_soon(self.learner_loop)
                 nursery.start_soon(self.housekeeping)
                 nursery.start_soon(self._watch_signals, nursery.cancel_scope)
@@ -535,3 +735,40 @@ def run_hub(cfg: HubConfig) -> int:
     except KeyboardInterrupt:
         hub.write_status(final=True)
         return 0
+
+
+def _encode_groups(groups: list[Any]) -> bytes:
+    """Accepted rollouts as stored for a restart (hub-computed rewards included)."""
+    return canonical.encode(
+        [
+            {
+                "prompt_ids": list(g.prompt_ids),
+                "samples": [
+                    {
+                        "token_ids": list(s.token_ids),
+                        "logprobs": [float(x) for x in s.logprobs],
+                        "reward": float(s.reward),
+                        "version": int(s.version),
+                        "node_id": s.node_id,
+                        "finish_reason": s.finish_reason,
+                    }
+                    for s in g.samples
+                ],
+            }
+            for g in groups
+        ]
+    )
+
+
+def _decode_groups(payload: bytes) -> list[Any]:
+    from .learner import Group, Sample
+
+    raw = canonical.decode(payload, max_size=1 << 30)
+    try:
+        return [Group(prompt_ids=list(g["prompt_ids"]), samples=[Sample(**s) for s in g["samples"]]) for g in raw]
+    except (TypeError, KeyError) as exc:
+        raise MeaningError(f"stored result payload is malformed: {exc}") from exc
+
+
+def _cost(row: Any) -> float:
+    return float(row.cost_usd) if row is not None else 0.0

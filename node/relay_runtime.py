@@ -279,10 +279,7 @@ class RelayNode:
             await self._send_have(link)
             if peer == self.hub_peer and self.held is not None:
                 await self._report_holds(self.held)
-            async with trio.open_nursery() as nursery:
-                nursery.start_soon(self._sender, link)
-                await self._receive_loop(link)
-                nursery.cancel_scope.cancel()
+            await _duplex(self._sender(link), self._receive_loop(link))
         finally:
             if self.links.get(peer) is link:
                 del self.links[peer]
@@ -619,8 +616,7 @@ class RelayNode:
             return
         b.have_sent = len(b.relay.have)
         for link in list(self.links.values()):
-            if link.peer != self.hub_peer:
-                self._spawn(self._send_have, link)
+            self._spawn(self._send_have, link)
 
     async def _ticker(self) -> None:
         last_stats = 0.0
@@ -661,6 +657,26 @@ class RelayNode:
 
 async def _await(x: Awaitable[None]) -> None:
     await x
+
+
+async def _duplex(sending: Awaitable[None], receiving: Awaitable[None]) -> None:
+    """Run a connection's sender and receiver until either ends; re-raise the first transport
+    error as itself (not wrapped in an ExceptionGroup, which ``except Echo2Error`` would miss)."""
+    errors: list[BaseException] = []
+
+    async def guard(aw: Awaitable[None], scope: trio.CancelScope) -> None:
+        try:
+            await aw
+        except (Echo2Error, OSError) as exc:
+            errors.append(exc)
+        finally:
+            scope.cancel()
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(guard, sending, nursery.cancel_scope)
+        nursery.start_soon(guard, receiving, nursery.cancel_scope)
+    if errors:
+        raise errors[0]
 
 
 # --- process entry point (benches, tests) ---------------------------------------------------------

@@ -252,7 +252,7 @@ class Node:
             if frame.type == dataplane.FrameType.MESSAGE:
                 try:
                     v = envelope.open_envelope(bytes(frame.payload), Manifest, replay=None, allowed=self._hub_only)
-                    if self.held is not None and v.message.version <= self.held.version:
+                    if self.held is not None and not _is_news(v.message, self.held.manifest):
                         assembly = None
                         continue
                     assembly = Assembly(v.message, self.held)
@@ -328,6 +328,12 @@ class Node:
                     self.hub_peer, WORK, envelope.seal(self.identity, hb), max_response=MAX_TASK, timeout_s=WORK_POLL_S + 15
                 )
             except RemoteError as exc:
+                if exc.code == "not_admitted":
+                    log.warning("hub no longer knows this node (restarted?): asking for admission again")
+                    if await self._admit(host) is None:
+                        self._stop.set()
+                        return
+                    continue
                 log.warning("hub refused work request: %s", exc)
                 await trio.sleep(backoff)
                 backoff = min(backoff * 2, 15.0)
@@ -411,6 +417,14 @@ class Node:
         except (Echo2Error, OSError) as exc:
             log.warning("result of task %s not delivered: %s", task.task_id, exc)
         self._write_state()
+
+
+def _is_news(new: Manifest, held: Manifest) -> bool:
+    """A newer version, or the same/older number with other content: the hub rolled back to a
+    checkpoint after a restart, and its word on the current policy wins."""
+    if new.version > held.version:
+        return True
+    return [c.raw_hash for c in new.chunks] != [c.raw_hash for c in held.chunks]
 
 
 def run_node(cfg: NodeConfig) -> int:

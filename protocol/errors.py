@@ -115,3 +115,9 @@ class IdentityError(Echo2Error):
     """Key file is missing, malformed or has unsafe permissions."""
 
     code = "identity"
+
+
+class NotAdmitted(SignerNotAllowed):
+    """Peer is not admitted (or no longer: the hub restarted or banned it); request admission."""
+
+    code = "not_admitted"

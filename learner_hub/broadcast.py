@@ -1,0 +1,475 @@
+"""The hub side of the pipelined broadcast: :class:`PipelinedSender` (a ``Sender`` like StarSender).
+
+Same interface as :class:`echo2.learner_hub.publisher.StarSender`: the hub runs
+``DataPlaneServer(identity, sender.serve_connection, upload_limiter=...)`` and calls
+``sender.notify()`` after each ``publisher.publish``. Every node keeps one data-plane connection to
+the hub (it dials; see :mod:`echo2.node.relay_runtime` for the whole wire protocol). On it the hub:
+
+- learns the node's data-plane address and upload limit (``hello`` request; a ``node_info``
+  callback, e.g. from the node's signed Announce, overrides it);
+- on each new version plans the broadcast with :func:`echo2.learner_hub.planner.plan_broadcast`
+  over the connected nodes (interleaved stripe trees, fast reachable nodes inside), and sends the
+  signed ``BroadcastPlan`` and then the signed ``Manifest`` to every node;
+- pushes each stripe's chunks to that stripe's first-level children (the hub runs the same
+  :class:`~echo2.protocol.relay.Relay` rules, holding every chunk), serves pulls (``get``) and full
+  encodings of delta chunks for nodes without the parent chunk (``full``);
+- repairs the plan when a node's connection ends (leave) or a node connects mid-broadcast (join):
+  :func:`~echo2.learner_hub.planner.replan`, re-signed, sent to every node;
+- records per version: seconds from publication to the first / median / last node holding it
+  verified (from the nodes' signed ``HoldsVersion``), bytes sent by the hub, bytes sent by peers
+  (their ``stats`` reports; informative, not verified).
+
+:class:`StarWithHolds` wraps a StarSender with the same hello/holds bookkeeping, so the bench
+measures both modes the same way.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import statistics
+import time
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import trio
+
+from echo2.protocol import canonical, envelope
+from echo2.protocol.errors import ChunkMismatch, DecodeError, Echo2Error, SchemaError
+from echo2.protocol.identity import Identity
+from echo2.protocol.messages import BroadcastPlan, ChunkHave, ChunkRequest, HoldsVersion
+from echo2.protocol.net.dataplane import DataConnection, FrameType
+from echo2.protocol.relay import Relay, Request, Send
+from echo2.protocol.wire import ENC_FULL, ENC_MANIFEST, pack_chunk_frame
+
+from .planner import NodeInfo, Plan, plan_broadcast, replan
+from .publisher import PolicyPublisher, Published, StarSender
+
+log = logging.getLogger(__name__)
+
+MAX_REQUEST_PAYLOAD = 1024 * 1024
+UNLIMITED_BPS = 1e9  # "no upload limit" as the planner sees it (about loopback speed here)
+# Mirrors echo2.node.relay_runtime (node and learner_hub do not import each other).
+REQ_HELLO = "hello"
+REQ_HAVE = "have"
+REQ_GET = "get"
+REQ_FULL = "full"
+REQ_STATS = "stats"
+
+
+def _decode_request(payload: bytes | bytearray) -> tuple[str, dict[str, Any]]:
+    d = canonical.decode(bytes(payload), max_size=MAX_REQUEST_PAYLOAD)
+    if not isinstance(d, dict) or not isinstance(d.get("k"), str):
+        raise SchemaError("request payload must be a map with a str 'k'")
+    kind = d["k"]
+    if kind == REQ_HAVE:
+        d["m"] = ChunkHave.from_wire(d.get("m"))
+    elif kind in (REQ_GET, REQ_FULL):
+        d["m"] = ChunkRequest.from_wire(d.get("m"))
+    elif kind == REQ_HELLO:
+        addr, up = d.get("addr"), d.get("up")
+        if not isinstance(addr, str) or len(addr) > 256 or not isinstance(up, (int, float)) or not 0 <= up < 1e12:
+            raise SchemaError("hello needs addr (str <= 256) and up (MB/s >= 0)")
+    elif kind == REQ_STATS:
+        for k in ("v", "sent", "recv"):
+            if not isinstance(d.get(k), int) or not 0 <= d[k] < 2**63:
+                raise SchemaError(f"stats field {k} must be an int >= 0")
+    else:
+        raise SchemaError(f"unknown request kind {kind[:32]!r}")
+    return kind, d
+
+
+@dataclass(frozen=True)
+class PeerInfo:
+    """What the planner needs about a node: where its data plane listens, its upload, reachability."""
+
+    data_addr: str
+    upload_Bps: float
+    reachable: bool = True
+
+
+@dataclass
+class VersionMetrics:
+    version: int
+    published_at: float  # wall clock
+    nodes: int = 0  # nodes in the plan when it was made
+    holds: dict[str, float] = field(default_factory=dict)  # peer -> seconds after publication
+    hub_sent_bytes: int = 0
+    peer_sent: dict[str, int] = field(default_factory=dict)
+    replans: int = 0
+
+    def summary(self) -> dict[str, Any]:
+        times = sorted(self.holds.values())
+        return {
+            "version": self.version,
+            "nodes": len(times),
+            "planned_nodes": self.nodes,
+            "first_s": times[0] if times else None,
+            "median_s": statistics.median(times) if times else None,
+            "last_s": times[-1] if times else None,
+            "hub_sent_bytes": self.hub_sent_bytes,
+            "peer_sent_bytes": sum(self.peer_sent.values()),
+            "replans": self.replans,
+        }
+
+
+class _HubSide:
+    """The node->hub half shared by both senders: hello, holds reports, stats, metrics."""
+
+    def __init__(self, publisher: PolicyPublisher, node_info: Callable[[str], PeerInfo | None] | None) -> None:
+        self.publisher = publisher
+        self.node_info = node_info
+        self.hello: dict[str, PeerInfo] = {}
+        self.metrics: dict[int, VersionMetrics] = {}
+        self.changed = trio.Event()  # set (and replaced) on every join/leave/holds
+
+    def _changed(self) -> None:
+        self.changed.set()
+        self.changed = trio.Event()
+
+    def info(self, peer: str) -> PeerInfo | None:
+        if self.node_info is not None:
+            got = self.node_info(peer)
+            if got is not None:
+                return got
+        return self.hello.get(peer)
+
+    def _metrics_for(self, pub: Published) -> VersionMetrics:
+        m = self.metrics.get(pub.version)
+        if m is None:
+            m = self.metrics[pub.version] = VersionMetrics(pub.version, pub.published_at)
+            for old in sorted(self.metrics)[:-100]:
+                del self.metrics[old]
+        return m
+
+    def version_metrics(self, version: int) -> dict[str, Any] | None:
+        m = self.metrics.get(version)
+        return m.summary() if m is not None else None
+
+    def holders(self, version: int) -> int:
+        m = self.metrics.get(version)
+        return len(m.holds) if m else 0
+
+    def _on_hello(self, peer: str, d: dict[str, Any]) -> None:
+        up = float(d["up"])
+        self.hello[peer] = PeerInfo(d["addr"], up * 1e6 if up > 0 else UNLIMITED_BPS, bool(d["addr"]))
+        self._changed()
+
+    def _on_stats(self, peer: str, d: dict[str, Any]) -> None:
+        m = self.metrics.get(d["v"])
+        if m is not None:
+            m.peer_sent[peer] = d["sent"]
+
+    def _on_message(self, peer: str, payload: bytearray) -> None:
+        v = envelope.open_envelope(bytes(payload), HoldsVersion, replay=None, allowed=lambda s, _t: s == peer)
+        msg = v.message
+        if msg.peer_id != peer:
+            raise SchemaError("HoldsVersion names another peer")
+        pub = self.publisher.latest
+        if pub is not None and pub.version == msg.version:
+            m = self._metrics_for(pub)
+            if peer not in m.holds:
+                m.holds[peer] = time.time() - pub.published_at
+                self.publisher.record_holds(peer, msg.version)
+                self._changed()
+
+
+class _Link:
+    def __init__(self, conn: DataConnection) -> None:
+        self.conn = conn
+        self.peer = conn.peer_id
+        self.tx, self.rx = trio.open_memory_channel[tuple[Any, ...]](math.inf)
+        self.inflight: set[tuple[int, int]] = set()
+
+
+@dataclass
+class _Current:
+    pub: Published
+    plan: Plan
+    relay: Relay
+    plan_env: bytes
+    metrics: VersionMetrics
+
+
+class PipelinedSender(_HubSide):
+    """Peer-assisted pipelined broadcast, hub side (see the module doc).
+
+    ``hub_upload_MBps``: the hub's upload for planning (0 = unlimited); ``data_addr``: the hub's
+    own data-plane address put into plans (nodes know it already; informative); ``node_info``:
+    optional better knowledge of a node (measured upload, reachability) than its ``hello``.
+    """
+
+    def __init__(
+        self,
+        publisher: PolicyPublisher,
+        identity: Identity,
+        *,
+        hub_upload_MBps: float = 0.0,
+        data_addr: str = "",
+        node_info: Callable[[str], PeerInfo | None] | None = None,
+        stripes: int | None = None,
+        window: int = 2,
+        plan_ttl_s: float = 24 * 3600.0,
+    ) -> None:
+        super().__init__(publisher, node_info)
+        self.identity = identity
+        self.hub = identity.peer_id
+        self.hub_upload_Bps = hub_upload_MBps * 1e6 if hub_upload_MBps > 0 else UNLIMITED_BPS
+        self.data_addr = data_addr
+        self.stripes = stripes
+        self.window = window
+        self.plan_ttl_s = plan_ttl_s
+        self.links: dict[str, _Link] = {}
+        self.cur: _Current | None = None
+        self.bytes_sent = 0
+
+    # --- planning ------------------------------------------------------------------------------
+    def _node_infos(self) -> list[NodeInfo]:
+        out = []
+        for peer in sorted(self.links):
+            info = self.info(peer)
+            if info is None:
+                out.append(NodeInfo(peer, 0.0, False))  # unknown: a leaf everywhere
+            else:
+                out.append(NodeInfo(peer, info.upload_Bps, info.reachable and bool(info.data_addr)))
+        return out
+
+    def _plan_message(self, plan: Plan) -> bytes:
+        nodes = plan.nodes
+        addrs = {n: a.data_addr for n in nodes if (a := self.info(n)) is not None and a.data_addr}
+        if self.data_addr:
+            addrs[self.hub] = self.data_addr
+        keys = set(nodes) | {self.hub}
+        msg = BroadcastPlan(
+            version=plan.version,
+            stripes=plan.stripes,
+            parents={n: [plan.parent[s][n] for s in range(plan.stripes)] for n in nodes},
+            children={
+                p: [list(plan.children[s].get(p, [])) for s in range(plan.stripes)]
+                for p in sorted(keys)
+                if any(plan.children[s].get(p) for s in range(plan.stripes))
+            },
+            data_addrs=addrs,
+            created=time.time(),
+        )
+        return envelope.seal(self.identity, msg, ttl_s=self.plan_ttl_s)
+
+    def notify(self) -> None:
+        """A version was just published: plan over the connected nodes and start pushing."""
+        pub = self.publisher.latest
+        if pub is None or (self.cur is not None and self.cur.pub.version >= pub.version):
+            return
+        m = pub.packed.manifest
+        plan = plan_broadcast(
+            pub.version, self.hub_upload_Bps, self._node_infos(), len(m.chunks), hub=self.hub, stripes=self.stripes
+        )
+        relay = Relay(self.hub, plan, [c.enc_hash for c in m.chunks], have=range(len(m.chunks)),
+                      now=trio.current_time(), window=self.window)
+        metrics = self._metrics_for(pub)
+        metrics.nodes = len(plan.nodes)
+        self.cur = _Current(pub, plan, relay, self._plan_message(plan), metrics)
+        log.info("broadcast v%d: %d nodes, %d stripes, depth %d", pub.version, len(plan.nodes), plan.stripes, plan.max_depth())
+        for link in self.links.values():
+            link.tx.send_nowait(("msg", self.cur.plan_env))
+            link.tx.send_nowait(("msg", pub.manifest_envelope))
+        self._act(self.cur, relay.start(now=trio.current_time()))
+
+    def _repair(self, left: Sequence[str] = (), joined: Sequence[NodeInfo] = ()) -> None:
+        cur = self.cur
+        if cur is None:
+            return
+        cur.plan = replan(cur.plan, left=left, joined=joined)
+        cur.plan_env = self._plan_message(cur.plan)
+        cur.metrics.replans += 1
+        log.info("broadcast v%d repaired: -%s +%s", cur.pub.version, list(left), [j.node_id for j in joined])
+        for link in self.links.values():
+            link.tx.send_nowait(("msg", cur.plan_env))
+        self._act(cur, cur.relay.on_plan(cur.plan, now=trio.current_time()))
+
+    # --- actions -------------------------------------------------------------------------------
+    def _act(self, cur: _Current, actions: list[Any]) -> None:
+        for a in actions:
+            if isinstance(a, Send):
+                link = self.links.get(a.peer)
+                if link is not None:
+                    link.tx.send_nowait(("chunk", cur.pub.version, a.index))
+                else:
+                    self._act(cur, cur.relay.on_send_failed(a.peer, a.index))
+            elif isinstance(a, Request):  # the hub holds everything; never happens
+                log.debug("hub relay asked to pull %s", a)
+
+    # --- connections ---------------------------------------------------------------------------
+    async def serve_connection(self, conn: DataConnection) -> None:
+        link = _Link(conn)
+        peer = link.peer
+        self.links[peer] = link
+        try:
+            await _duplex(self._sender(link), self._receive_loop(link))
+        finally:
+            if self.links.get(peer) is link:
+                del self.links[peer]
+                cur = self.cur
+                if cur is not None:
+                    for ver, i in list(link.inflight):
+                        if ver == cur.pub.version:
+                            self._act(cur, cur.relay.on_send_failed(peer, i))
+                    if peer in cur.plan.reachable or (cur.plan.parent and peer in cur.plan.parent[0]):
+                        self._repair(left=[peer])
+                self._changed()
+
+    async def _receive_loop(self, link: _Link) -> None:
+        while True:
+            try:
+                frame = await link.conn.receive()
+            except ChunkMismatch:
+                continue
+            if frame.type is FrameType.BYE:
+                return
+            try:
+                if frame.type is FrameType.REQUEST:
+                    self._on_request(link, frame.payload)
+                elif frame.type is FrameType.MESSAGE:
+                    self._on_message(link.peer, frame.payload)
+            except (SchemaError, DecodeError) as exc:
+                log.warning("refused %s frame from %s: %s", frame.type.name, link.peer, exc)
+            except Echo2Error as exc:
+                log.warning("refused %s frame from %s: %s", frame.type.name, link.peer, exc)
+
+    def _on_request(self, link: _Link, payload: bytearray) -> None:
+        kind, d = _decode_request(payload)
+        peer = link.peer
+        cur = self.cur
+        now = trio.current_time()
+        if kind == REQ_HELLO:
+            self._on_hello(peer, d)
+            if cur is not None:
+                if peer in cur.plan.reachable or (cur.plan.parent and peer in cur.plan.parent[0]):
+                    link.tx.send_nowait(("msg", cur.plan_env))  # a reconnect: same place in the plan
+                else:
+                    info = self.info(peer)
+                    node = NodeInfo(peer, info.upload_Bps if info else 0.0, bool(info and info.reachable))
+                    self._repair(joined=[node])
+                link.tx.send_nowait(("msg", cur.pub.manifest_envelope))
+        elif kind == REQ_STATS:
+            self._on_stats(peer, d)
+        elif cur is None:
+            return
+        elif kind == REQ_HAVE:
+            h: ChunkHave = d["m"]
+            if h.peer_id == peer and h.version == cur.pub.version:
+                self._act(cur, cur.relay.on_have(peer, h.have, now=now))
+        elif kind == REQ_GET:
+            r: ChunkRequest = d["m"]
+            if r.version == cur.pub.version:
+                self._act(cur, cur.relay.on_request(peer, r.indices, now=now))
+        elif kind == REQ_FULL:
+            r = d["m"]
+            if r.version == cur.pub.version:
+                n = len(cur.pub.packed.encoded)
+                for i in sorted(set(r.indices))[:4096]:
+                    if 0 <= i < n:
+                        link.tx.send_nowait(("full", r.version, i))
+
+    async def _sender(self, link: _Link) -> None:
+        async for item in link.rx:
+            kind = item[0]
+            if kind == "msg":
+                await link.conn.send_message(item[1])
+                continue
+            ver, i = item[1], item[2]
+            cur = self.cur
+            if cur is None or cur.pub.version != ver:
+                continue
+            pub = cur.pub
+            if kind == "full":
+                data = await trio.to_thread.run_sync(pub.full_encoding, i)
+                flag = ENC_FULL
+            else:
+                data = pub.packed.encoded[i]
+                flag = ENC_MANIFEST
+            link.inflight.add((ver, i))
+            try:
+                await link.conn.send_chunk(pack_chunk_frame(ver, i, flag, data))
+            finally:
+                link.inflight.discard((ver, i))
+            self.bytes_sent += len(data)
+            cur.metrics.hub_sent_bytes += len(data)
+            if kind == "chunk" and self.cur is cur:
+                self._act(cur, cur.relay.on_child_ack(link.peer, i, now=trio.current_time()))
+
+
+class StarWithHolds(_HubSide):
+    """A :class:`StarSender` that also reads the node->hub half of the connection (hello, signed
+    holds reports), so star broadcasts get the same per-version metrics."""
+
+    def __init__(self, star: StarSender, *, node_info: Callable[[str], PeerInfo | None] | None = None) -> None:
+        super().__init__(star.publisher, node_info)
+        self.star = star
+        self.connected: set[str] = set()
+
+    @property
+    def bytes_sent(self) -> int:
+        return self.star.bytes_sent
+
+    def notify(self) -> None:
+        pub = self.publisher.latest
+        if pub is not None:
+            self._metrics_for(pub).nodes = len(self.connected)
+        self.star.notify()
+
+    async def serve_connection(self, conn: DataConnection) -> None:
+        peer = conn.peer_id
+        self.connected.add(peer)
+        try:
+            await _duplex(self.star.serve_connection(conn), self._receive_loop(conn))
+        finally:
+            self.connected.discard(peer)
+            self._changed()
+
+    async def _receive_loop(self, conn: DataConnection) -> None:
+        while True:
+            try:
+                frame = await conn.receive()
+            except ChunkMismatch:
+                continue
+            if frame.type is FrameType.BYE:
+                return
+            try:
+                if frame.type is FrameType.REQUEST:
+                    kind, d = _decode_request(frame.payload)
+                    if kind == REQ_HELLO:
+                        self._on_hello(conn.peer_id, d)
+                    elif kind == REQ_STATS:
+                        self._on_stats(conn.peer_id, d)
+                elif frame.type is FrameType.MESSAGE:
+                    self._on_message(conn.peer_id, frame.payload)
+            except Echo2Error as exc:
+                log.warning("refused %s frame from %s: %s", frame.type.name, conn.peer_id, exc)
+
+    @property
+    def hub_sent_for(self) -> int:
+        return self.star.bytes_sent
+
+
+async def _duplex(sending: Awaitable[None], receiving: Awaitable[None]) -> None:
+    """Run a connection's sender and receiver until either ends; re-raise the first transport
+    error as itself (not wrapped in an ExceptionGroup, which ``except Echo2Error`` would miss)."""
+    errors: list[BaseException] = []
+
+    async def guard(aw: Awaitable[None], scope: trio.CancelScope) -> None:
+        try:
+            await aw
+        except (Echo2Error, OSError) as exc:
+            errors.append(exc)
+        finally:
+            scope.cancel()
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(guard, sending, nursery.cancel_scope)
+        nursery.start_soon(guard, receiving, nursery.cancel_scope)
+    if errors:
+        raise errors[0]
+
+
+__all__ = ["PeerInfo", "PipelinedSender", "StarWithHolds", "VersionMetrics"]

@@ -1,0 +1,156 @@
+"""Real pipelined broadcasts: a hub (PipelinedSender) and relay nodes with real data-plane sockets
+on 127.0.0.1 in one trio run, upload-limited so that the broadcast takes long enough to break
+things in the middle of it."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+import trio
+
+from echo2.learner_hub.broadcast import PipelinedSender
+from echo2.learner_hub.publisher import PolicyPublisher
+from echo2.node.chunkstore import ChunkStore
+from echo2.node.relay_runtime import RelayConfig, RelayNode, decode_request, encode_request
+from echo2.protocol import packing
+from echo2.protocol.errors import SchemaError
+from echo2.protocol.identity import Identity
+from echo2.protocol.net.dataplane import DataPlaneServer
+from echo2.protocol.net.ratelimit import UploadLimiter
+
+
+def _state(nbytes: int, seed: int) -> dict[str, torch.Tensor]:
+    rng = np.random.default_rng(seed)
+    return {"w": torch.from_numpy(rng.integers(0, 256, nbytes, dtype=np.uint8))}
+
+
+class Swarm:
+    def __init__(self, tmp: Path, n: int, *, chunk: int, up_MBps: float, node_up: dict[int, float] | None = None,
+                 corrupt: frozenset[int] = frozenset()) -> None:
+        self.hub_id = Identity.generate()
+        self.publisher = PolicyPublisher(self.hub_id, "{}", {}, SimpleNamespace(chunk_bytes=chunk, full_every=10))
+        self.sender = PipelinedSender(self.publisher, self.hub_id, hub_upload_MBps=up_MBps)
+        self.server = DataPlaneServer(self.hub_id, self.sender.serve_connection, upload_limiter=UploadLimiter(up_MBps))
+        self.n = n
+        self.tmp = tmp
+        self.up = {i: (node_up or {}).get(i, up_MBps) for i in range(n)}
+        self.corrupt = corrupt
+        self.nodes: list[RelayNode] = []
+        self.scopes: list[trio.CancelScope] = []
+
+    async def start(self, nursery: trio.Nursery) -> None:
+        await nursery.start(self.server.serve)
+        self.sender.data_addr = self.server.addr
+        for i in range(self.n):
+            ident = Identity.generate()
+            cfg = RelayConfig(upload_MBps=self.up[i], stall_timeout_s=1.0, request_timeout_s=2.0,
+                              corrupt_sends=i in self.corrupt)
+            node = RelayNode(ident, ChunkStore(self.tmp / f"n{i}"), self.hub_id.peer_id, self.server.addr, cfg)
+            scope = trio.CancelScope()
+            self.nodes.append(node)
+            self.scopes.append(scope)
+            nursery.start_soon(self._run_node, node, scope)
+        while len(self.sender.hello) < self.n:
+            await self.sender.changed.wait()
+
+    @staticmethod
+    async def _run_node(node: RelayNode, scope: trio.CancelScope) -> None:
+        with scope:
+            await node.run()
+
+    async def publish(self, version: int, sd: dict[str, torch.Tensor]) -> None:
+        await self.publisher.publish(version, sd)
+        self.sender.notify()
+
+    async def wait_holds(self, version: int, nodes: list[RelayNode]) -> None:
+        while not all(nd.held is not None and nd.held.version == version for nd in nodes):
+            with trio.move_on_after(0.1):
+                await self.sender.changed.wait()
+
+
+def _check_loaded(node: RelayNode, sd: dict[str, torch.Tensor]) -> None:
+    assert node.held is not None
+    m = node.held.manifest
+    out = packing.assemble(m, node.store.load_raw_chunks(m))
+    assert torch.equal(out["w"], sd["w"])
+
+
+def test_request_codec_refuses_garbage() -> None:
+    kind, d = decode_request(encode_request("hello", addr="127.0.0.1:1", up=8.0))
+    assert kind == "hello" and d["addr"] == "127.0.0.1:1"
+    for bad in (encode_request("nope"), encode_request("hello", addr=5, up=1.0), b"\xc1", encode_request("get", m={"x": 1})):
+        with pytest.raises(SchemaError if bad != b"\xc1" else Exception):
+            decode_request(bad)
+
+
+def test_small_broadcast_and_delta_version(tmp_path: Path) -> None:
+    sd1 = _state(2_000_000, 1)
+    sd2 = {"w": sd1["w"].clone()}
+    sd2["w"][:1000] ^= 0x5A  # one chunk changes; the rest are unchanged (zero deltas)
+
+    async def main() -> None:
+        with trio.fail_after(60):
+            sw = Swarm(tmp_path, 4, chunk=128 * 1024, up_MBps=8.0)
+            async with trio.open_nursery() as nursery:
+                await sw.start(nursery)
+                await sw.publish(1, sd1)
+                await sw.wait_holds(1, sw.nodes)
+                for nd in sw.nodes:
+                    _check_loaded(nd, sd1)
+                m1 = sw.sender.version_metrics(1)
+                assert m1 is not None and m1["nodes"] == 4 and m1["last_s"] >= m1["first_s"] > 0
+                assert m1["hub_sent_bytes"] < 2 * 2_000_000  # peers carried the rest, not the hub
+                await sw.publish(2, sd2)
+                await sw.wait_holds(2, sw.nodes)
+                for nd in sw.nodes:
+                    _check_loaded(nd, sd2)
+                    assert nd.held is not None and nd.held.manifest.parent == 1
+                m2 = sw.sender.version_metrics(2)
+                assert m2 is not None and m2["hub_sent_bytes"] < 200_000  # deltas: tiny
+                nursery.cancel_scope.cancel()
+
+    trio.run(main)
+
+
+@pytest.mark.slow
+def test_killed_relay_and_corrupting_relay_are_routed_around(tmp_path: Path) -> None:
+    sd = _state(4_000_000, 7)
+    # Nodes 0 and 1 upload fastest, so the planner makes them the stripe roots (interior, with
+    # children): node 0 corrupts every chunk it sends, node 1 is killed mid-broadcast.
+    node_up = {0: 8.0, 1: 8.0}
+
+    async def main() -> dict[str, Any]:
+        with trio.fail_after(90):
+            sw = Swarm(tmp_path, 6, chunk=128 * 1024, up_MBps=4.0, node_up=node_up, corrupt=frozenset({0}))
+            async with trio.open_nursery() as nursery:
+                await sw.start(nursery)
+                await sw.publish(1, sd)
+                cur = sw.sender.cur
+                assert cur is not None
+                plan = cur.plan
+                ids = [nd.me for nd in sw.nodes]
+                for victim in (0, 1):
+                    assert any(plan.children[s].get(ids[victim]) for s in range(plan.stripes)), "must be a relay"
+                killed = sw.nodes[1]
+                while killed.bc is None or len(killed.bc.relay.have) < 4:
+                    await trio.sleep(0.02)
+                sw.scopes[1].cancel()
+                others = [nd for i, nd in enumerate(sw.nodes) if i != 1]
+                await sw.wait_holds(1, others)
+                for nd in others:
+                    _check_loaded(nd, sd)
+                assert killed.held is None
+                evidence = [e for nd in others for _, e in nd.evidence]
+                metrics = sw.sender.version_metrics(1)
+                nursery.cancel_scope.cancel()
+                return {"evidence": evidence, "ids": ids, "metrics": metrics}
+
+    out = trio.run(main)
+    assert out["evidence"], "children of the corrupting relay must report it"
+    assert {e.peer for e in out["evidence"]} == {out["ids"][0]}
+    assert out["metrics"]["replans"] >= 1  # the hub repaired the plan when node 1 left
