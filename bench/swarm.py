@@ -73,6 +73,18 @@ class LocalSwarm:
         self.nodes.append(p)
         return p
 
+    def kill_hub(self) -> None:
+        """SIGKILL the hub: no clean shutdown, no final status (a crash)."""
+        if self.hub is not None and self.hub.poll() is None:
+            self.hub.send_signal(signal.SIGKILL)
+            self.hub.wait(timeout=10)
+
+    def kill_node(self, i: int) -> None:
+        p = self.nodes[i]
+        if p.poll() is None:
+            p.send_signal(signal.SIGKILL)
+            p.wait(timeout=10)
+
     def start(self) -> None:
         self.start_hub()
         for i in range(self.n_nodes):

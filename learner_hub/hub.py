@@ -174,6 +174,7 @@ class Hub:
             is_allowed=self.store.is_allowed,
         )
         self.resumed_from: int | None = None
+        self.restored_results = 0
         self._resume()
 
     # --- persistence ---------------------------------------------------------------------------
@@ -200,6 +201,7 @@ class Hub:
                 self.buffer.add((pr.task_id, g), pr.version, step)
             self._batch_tasks[pr.task_id] = len(groups)
             restored += 1
+        self.restored_results = restored
         log.info("resumed from checkpoint at step %d; %d accepted results not yet trained restored", step, restored)
 
     def _checkpoint(self) -> None:
@@ -329,11 +331,12 @@ class Hub:
         return envelope.seal(self.identity, decision)
 
     async def on_work(self, peer: str, data: bytes) -> bytes:
-        v = envelope.open_envelope(data, Heartbeat, replay=self.replay, allowed=self._signer_is(peer))
+        envelope.open_envelope(data, Heartbeat, replay=self.replay, allowed=self._signer_is(peer))
         node = self.nodes[peer]
         node.last_seen = time.time()
-        if v.message.versions_held:
-            node.held_version = max(node.held_version, max(v.message.versions_held))
+        # versions_held is informational: after a hub restart a node may hold versions of the
+        # crashed run under the same numbers, so only HoldsVersion for versions this hub process
+        # sent counts (see on_holds).
         self._pump()
         with trio.move_on_after(WORK_POLL_S):
             while not node.mailbox:
@@ -460,6 +463,8 @@ class Hub:
     async def on_holds(self, peer: str, data: bytes) -> bytes:
         v = envelope.open_envelope(data, HoldsVersion, replay=self.replay, allowed=self._signer_is(peer))
         node = self.nodes[peer]
+        if v.message.version > self.publisher.latest_version:
+            raise MeaningError(f"version {v.message.version} was never published by this hub")
         node.held_version = max(node.held_version, v.message.version)
         self.publisher.record_holds(peer, v.message.version)
         self._pump()
@@ -660,6 +665,7 @@ class Hub:
             "history": self.history,
             "status_url": self.status_url,
             "resumed_from": self.resumed_from,
+            "restored_results": self.restored_results,
             "ledger": self.ledger.totals(time.time()).as_dict(),
         }
 

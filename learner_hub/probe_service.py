@@ -245,7 +245,8 @@ class ProbeService:
         prober = Identity.generate()  # a throw-away host: the dial must not reuse our connection
         try:
             with trio.fail_after(self.dial_timeout_s * (len(targets) + 1) + 2.0):
-                async with ControlHost(prober, gossip=False, dial_timeout_s=self.dial_timeout_s) as host:
+                # gossip on: the node runs GossipSub and would log a refused meshsub stream otherwise
+                async with ControlHost(prober, dial_timeout_s=self.dial_timeout_s) as host:
                     for t in targets:
                         try:
                             await host.connect(t)

@@ -196,7 +196,7 @@ async def network_checks(
     hub_peer = parts[parts.index("p2p") + 1]
     ident = identity or Identity.generate()
     try:
-        host_cm = ControlHost(ident, listen_port=listen_port, listen_host=listen_host, gossip=False, dial_timeout_s=timeout)
+        host_cm = ControlHost(ident, listen_port=listen_port, listen_host=listen_host, dial_timeout_s=timeout)
         async with host_cm as host:
             try:
                 with trio.fail_after(timeout):

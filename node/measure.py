@@ -19,7 +19,7 @@ from typing import Any, ClassVar
 import trio
 
 from echo2.protocol import canonical, envelope
-from echo2.protocol.errors import DecodeError, Echo2Error, MeaningError, SchemaError
+from echo2.protocol.errors import DecodeError, Echo2Error, MeaningError, SchemaError, Timeout
 from echo2.protocol.identity import Identity
 from echo2.protocol.messages import Announce, Bool, Bytes, Float, Message, PeerId, Spec, Str
 from echo2.protocol.net import dataplane
@@ -337,6 +337,9 @@ async def measure_all(
     result = await probe_hub(host, hub, hub_peer, identity, announce, timeout_s=timeout_s)
     bw = None
     if bandwidth and result.probe_data_addr:
-        with trio.fail_after(timeout_s * 4):
-            bw = await measure_bandwidth(result.probe_data_addr, identity, hub_peer, timeout_s=timeout_s)
+        try:
+            with trio.fail_after(timeout_s * 4):
+                bw = await measure_bandwidth(result.probe_data_addr, identity, hub_peer, timeout_s=timeout_s)
+        except trio.TooSlowError as exc:
+            raise Timeout(f"bandwidth probe took longer than {timeout_s * 4:g} s") from exc
     return result, bw

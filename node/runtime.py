@@ -56,6 +56,9 @@ from .versions import Assembly, HeldVersion
 
 log = logging.getLogger(__name__)
 
+# The hub is the one peer a node cannot work without: retry it often (jittered), but not in a loop.
+HUB_BACKOFF_CAP_S = 5.0
+
 
 @dataclass
 class NodeConfig:
@@ -107,6 +110,7 @@ class Node:
         self._stop = trio.Event()
         self._started = time.time()
         self._current_task: Task | None = None
+        self._admitted = trio.Event()
         self._pending_holds: HoldsVersion | None = None
 
     @property
@@ -223,12 +227,14 @@ class Node:
                     log.error("hub refused admission: %s", d.reason)
                     return None
                 self._hub_data_addr = d.hub_data_addr
+                self._admitted.set()
+                self._admitted = trio.Event()
                 log.info("admitted by hub %s (staleness %d, current version %d)", self.hub_peer, d.staleness, d.current_version)
                 return d
             except (Echo2Error, OSError) as exc:
                 log.warning("cannot reach hub (%s); retrying in %.1fs", exc, backoff)
                 await trio.sleep(backoff * (0.75 + 0.5 * random.random()))
-                backoff = min(backoff * 2, 15.0)
+                backoff = min(backoff * 2, HUB_BACKOFF_CAP_S)
 
     # --- policy versions -------------------------------------------------------------------------
     async def _downlink(self) -> None:
@@ -241,8 +247,11 @@ class Node:
                     await self._receive_versions(conn)
             except (Echo2Error, OSError) as exc:
                 log.warning("policy downlink lost (%s); reconnecting in %.1fs", exc, backoff)
-            await trio.sleep(backoff * (0.75 + 0.5 * random.random()))
-            backoff = min(backoff * 2, 15.0)
+            # a (re-)admission means the hub will accept us now: reconnect at once
+            admitted = self._admitted
+            with trio.move_on_after(backoff * (0.75 + 0.5 * random.random())):
+                await admitted.wait()
+            backoff = min(backoff * 2, HUB_BACKOFF_CAP_S)
 
     async def _receive_versions(self, conn: Any) -> None:
         assembly: Assembly | None = None
@@ -336,12 +345,12 @@ class Node:
                     continue
                 log.warning("hub refused work request: %s", exc)
                 await trio.sleep(backoff)
-                backoff = min(backoff * 2, 15.0)
+                backoff = min(backoff * 2, HUB_BACKOFF_CAP_S)
                 continue
             except (Echo2Error, OSError) as exc:
                 log.warning("work request failed (%s); retrying in %.1fs", exc, backoff)
                 await trio.sleep(backoff * (0.75 + 0.5 * random.random()))
-                backoff = min(backoff * 2, 15.0)
+                backoff = min(backoff * 2, HUB_BACKOFF_CAP_S)
                 continue
             backoff = 0.5
             try:

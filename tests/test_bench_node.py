@@ -30,6 +30,7 @@ def test_bench_node_tiny_writes_the_figures(tmp_path: Path, capsys: pytest.Captu
     assert d["ratio"] == pytest.approx(d["node_tokens_per_s"] / d["raw_tokens_per_s"])
     # same seeds, same engine: the node path generated exactly what the raw engine did
     assert d["same_tokens"] is True
+    assert 0 < d["ratio_from_stages"] <= 1
     assert set(d["overhead_ms_per_task"]) == {"task_seal", "task_open", "result_seal", "result_open"}
     assert "ratio" in capsys.readouterr().out
 
