@@ -10,6 +10,7 @@ BENCHES: dict[str, tuple[str, str]] = {
     "pack": ("echo2.bench.pack", "policy packing: delta compression ratio and encode/decode speed"),
     "transport": ("echo2.bench.transport", "raw TCP vs py-libp2p stream vs echo2 data plane"),
     "broadcast": ("echo2.bench.broadcast", "policy broadcast: star vs pipelined relay (real processes or --simulate)"),
+    "node": ("echo2.bench.node", "node throughput: raw engine vs the full signed task path"),
     "activation": ("echo2.bench.activation", "cost-aware activation: exact vs echo2 vs all vs cheapest-first"),
 }
 

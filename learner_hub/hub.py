@@ -55,6 +55,7 @@ from .admission import AdmissionPolicy
 from .config import HubConfig
 from .dispatch import DispatchConfig, Dispatcher, PromptGroup, ReplayBuffer
 from .ledger import Ledger
+from .probe_service import MAX_PROBE_REQUEST, PROBE, ProbeService, handle_probe_connection
 from .publisher import PolicyPublisher, StarSender
 from .reputation import Event, ReputationBook
 from .status_http import StatusServer, hub_metrics
@@ -491,6 +492,9 @@ class Hub:
             if self.t_first_batch is None:
                 self.t_first_batch = t0
             self.training = True
+            # the batch just left the buffer: hand out the next one now, so that generation
+            # overlaps this step (that is what the staleness bound buys)
+            self._refill()
             self._pump()
             try:
                 stats = await trio.to_thread.run_sync(self.learner.step, [g for _, (_, g) in batch])
@@ -705,6 +709,12 @@ class Hub:
                 )
                 await nursery.start(server.serve)
                 self.data_addr = f"{self.cfg.listen_host}:{server.port}"
+                # A separate data plane for `echo2 node doctor` bandwidth probes: it runs before
+                # admission, and the policy downlink starts sending at once, so they cannot share.
+                probe_srv = DataPlaneServer(self.identity, handle_probe_connection, host=self.cfg.listen_host, port=0, max_connections=16)
+                await nursery.start(probe_srv.serve)
+                self.probe = ProbeService(self.identity, control_host=host, probe_data_addr=f"{self.cfg.listen_host}:{probe_srv.port}")
+                host.set_handler(PROBE, self.probe.handle_control, max_request=MAX_PROBE_REQUEST)
                 self.addrs = list(host.addrs)
                 (self.dir / "hub.addrs").write_text("\n".join(self.addrs) + "\n")
                 print("echo2 hub listening:")

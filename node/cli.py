@@ -11,7 +11,7 @@ DEFAULT_DIR = Path.home() / ".echo2" / "node"
 
 
 def register(parser: argparse.ArgumentParser) -> None:
-    sub = parser.add_subparsers(dest="node_cmd", metavar="{run,status}")
+    sub = parser.add_subparsers(dest="node_cmd", metavar="{run,status,doctor}")
     sub.required = True
     run = sub.add_parser("run", help="join a hub and produce rollouts", description="join a hub and produce rollouts")
     run.add_argument("--hub", required=True, help="the hub's multiaddr, ending in /p2p/<peer ID> (see DIR/hub.addrs)")
@@ -29,6 +29,9 @@ def register(parser: argparse.ArgumentParser) -> None:
     st.add_argument("--data-dir", type=Path, default=DEFAULT_DIR)
     st.add_argument("--json", action="store_true", help="machine-readable output")
     st.set_defaults(func=_status)
+    from .doctor import register_doctor
+
+    register_doctor(sub)
 
 
 def _run(args: argparse.Namespace) -> int:

@@ -111,6 +111,9 @@ class Node:
         self._started = time.time()
         self._current_task: Task | None = None
         self._admitted = trio.Event()
+        self.measured: dict[str, float] = {"tokens_per_s": 0.0, "rollouts_per_s": 0.0, "upload_MBps": 0.0, "download_MBps": 0.0}
+        self.reachable = False
+        self._measured_version = -1
         self._pending_holds: HoldsVersion | None = None
 
     @property
@@ -136,14 +139,14 @@ class Node:
             free_disk_bytes=hw.free_disk_bytes,
             engine=getattr(eng, "name", self.cfg.engine),
             engine_version=str(getattr(eng, "engine_version", "")),
-            tokens_per_s=0.0,
-            rollouts_per_s=0.0,
-            upload_MBps=0.0,
-            download_MBps=0.0,
+            tokens_per_s=self.measured["tokens_per_s"],
+            rollouts_per_s=self.measured["rollouts_per_s"],
+            upload_MBps=self.measured["upload_MBps"],
+            download_MBps=self.measured["download_MBps"],
             price_usd_per_hour=self.cfg.price_usd_per_hour,
             listen_addrs=list(host.addrs)[:16],
             data_addr="",
-            reachable=False,
+            reachable=self.reachable,
             versions_held=[self.held.version] if self.held else [],
             max_upload_MBps=self.cfg.max_upload_MBps,
         )
@@ -210,11 +213,32 @@ class Node:
             with trio.move_on_after(3):
                 await self._decline(host, task, "shutdown", "node is shutting down")
 
+    async def _measure_links(self, host: ControlHost) -> None:
+        """Reachability (the hub dials back), clock skew and bandwidth to the hub, hub-measured."""
+        from .measure import measure_all
+
+        try:
+            res, bw = await measure_all(host, self.cfg.hub, self.hub_peer, self.identity, self._announce(host), timeout_s=10)
+        except (Echo2Error, OSError) as exc:
+            log.info("link measurement skipped: %s", exc)
+            return
+        self.reachable = res.reachable
+        if abs(res.clock_skew_s) > 5:
+            log.warning("clock differs from the hub's by %.1fs: tasks may look expired; sync your clock", res.clock_skew_s)
+        if bw is not None:
+            self.measured["upload_MBps"], self.measured["download_MBps"] = bw.upload_MBps, bw.download_MBps
+        log.info("hub link: reachable=%s rtt %.1f ms, up %.1f MB/s, down %.1f MB/s", res.reachable, res.rtt_s * 1e3,
+                 self.measured["upload_MBps"], self.measured["download_MBps"])
+
     async def _admit(self, host: ControlHost) -> AdmissionDecision | None:
         backoff = 0.5
+        measured = False
         while True:
             try:
                 await host.connect(self.cfg.hub)
+                if not measured:
+                    measured = True
+                    await self._measure_links(host)
                 req = AdmissionRequest(peer_id=self.peer_id, join_token=self.cfg.join_token, announce=self._announce(host))
                 resp = await host.request(
                     self.hub_peer, ADMISSION, envelope.seal(self.identity, req), max_response=MAX_CONTROL_REQUEST, timeout_s=30
@@ -289,8 +313,17 @@ class Node:
         m = held.manifest
         t0 = time.monotonic()
         sd = await trio.to_thread.run_sync(packing.assemble, m, held.raw_chunks)
+        config_changed = self.held is None or self.held.manifest.model_config != m.model_config
+        if config_changed:
+            await trio.to_thread.run_sync(self._check_fit, m.model_config)
         async with self._engine_lock:
             await trio.to_thread.run_sync(self._engine.load_version, m.version, m.model_config, dict(m.artifacts), sd)
+            if config_changed:
+                from .measure import measure_throughput
+
+                tp = await trio.to_thread.run_sync(lambda: measure_throughput(self._engine, budget_s=2.0))
+                self.measured["tokens_per_s"], self.measured["rollouts_per_s"] = tp.tokens_per_s, tp.rollouts_per_s
+                log.info("measured %.0f tokens/s, %.1f rollouts/s on version %d", tp.tokens_per_s, tp.rollouts_per_s, m.version)
         self.held = held
         self.stats.versions_loaded.append(m.version)
         self.version_changed.set()
@@ -299,6 +332,15 @@ class Node:
         log.info("holds version %d (%.2fs to receive and load)", m.version, seconds)
         self._write_state()
         self._pending_holds = HoldsVersion(peer_id=self.peer_id, version=m.version, seconds=seconds)
+
+    def _check_fit(self, model_config: str) -> None:
+        from .hardware import fits
+
+        (self.cfg.data_dir / "model_config.json").write_text(model_config)
+        hw = probe(self.cfg.data_dir)
+        mem = hw.accelerator_memory_bytes or hw.ram_bytes
+        ok, _need, message = fits(model_config, "float32", mem)
+        (log.info if ok else log.error)("%s", message)
 
     # --- control loops ---------------------------------------------------------------------------
     async def _heartbeat(self, host: ControlHost) -> None:
@@ -406,6 +448,10 @@ class Node:
             gen_s = time.monotonic() - t0
         self._current_task = None
         tokens = sum(len(c.token_ids) for c in completions)
+        if version != self._measured_version and gen_s > 0:
+            self._measured_version = version
+            self.measured["tokens_per_s"] = tokens / gen_s
+            self.measured["rollouts_per_s"] = len(completions) / gen_s
         result = Result(
             task_id=task.task_id,
             task_hash=task_hash(task),

@@ -68,7 +68,9 @@ class Swarm:
         self.sender.notify()
 
     async def wait_holds(self, version: int, nodes: list[RelayNode]) -> None:
-        while not all(nd.held is not None and nd.held.version == version for nd in nodes):
+        while not all(nd.held is not None and nd.held.version == version for nd in nodes) or (
+            self.sender.holders(version) < len(nodes)  # the hub's record comes a moment later
+        ):
             with trio.move_on_after(0.1):
                 await self.sender.changed.wait()
 
