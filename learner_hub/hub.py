@@ -157,6 +157,7 @@ class Hub:
         self.done = trio.Event()
         self.training = False
         self._fleet_changed_pending = False
+        self.finished = False
         self.addrs: list[str] = []
         self.data_addr = ""
         self.status_url = ""
@@ -675,7 +676,8 @@ class Hub:
 
     def write_status(self, final: bool = False) -> None:
         s = self.status()
-        s["final"] = final
+        self.finished = self.finished or final
+        s["final"] = self.finished
         path = self.dir / "status.json"
         tmp = path.with_suffix(".tmp")
         tmp.write_text(json.dumps(s))
