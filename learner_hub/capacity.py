@@ -19,13 +19,18 @@ Formulas (and why):
 
       U(S=0) = T_train / (T_train + D + G_batch)
 
-* S >= 1 is *pipelined*: generation overlaps training. Only eligible nodes contribute (rollouts
-  of the others arrive stale and are dropped, counted as zero here). In steady state a step takes
-  ``max(T_train, B / R_e)`` with ``R_e = sum of eligible r_i``, so::
+* S >= 1 is *pipelined*: generation overlaps training. A step lasts
+  ``tau = max(T_train, B / sum r, L / S)`` where ``L`` is the rate-weighted mean of ``D_i + G_i``:
+  throughput bounds the step from below by ``B / sum r``, and freshness by ``L / S``: the hub only
+  hands a node work it can return within S steps, so a fleet slower than ``S * T_train``
+  stretches the learner's steps rather than feeding it stale rollouts (echo2's dispatcher asks
+  each task for a version that will still be admissible when the result lands)::
 
-      U(S>=1) = T_train / max(T_train, B / R_e) = min(1, R_e * T_train / B)
+      U(S>=1) = T_train / max(T_train, B / sum r, L / S)
 
-  (``R_e = 0`` gives 0: nothing usable arrives.)
+  When every node is fresh (``D_i + G_i <= S * T_train``) this is ``min(1, sum r * T_train / B)``,
+  the classical throughput bound. The provisioning rule below still uses the strict freshness
+  condition to pick eligible nodes.
 * Smallest S keeping the learner busy: node i needs ``s_i = max(1, ceil((D_i+G_i)/T_train))``;
   sort by ``s_i`` and accumulate rates; the answer is the first ``s`` whose cumulative eligible
   rate reaches ``R*`` (None if the whole fleet falls short).
@@ -84,8 +89,16 @@ def predicted_utilization(batch: int, t_train: float, staleness: int, nodes: Seq
             return 0.0
         d = max(n.load_s for n in nodes)
         return t_train / (t_train + d + batch / total)
-    r_e = sum(n.rate for n in nodes if is_fresh(n, staleness, t_train))
-    return min(1.0, r_e * t_train / batch)
+    # Pipelined: a learner step lasts tau = max(T, B / sum r, (D + G) / S). The last term is
+    # freshness: a rollout of version v must land before step v + S starts, S·tau after v was
+    # published, so nodes slower than S·T stretch the step instead of being useless. When every
+    # node is fresh this is min(1, sum r · T / B), the throughput bound.
+    total = sum(n.rate for n in nodes)
+    if total <= 0:
+        return 0.0
+    lag = sum(n.rate * (n.load_s + n.task_s) for n in nodes) / total  # rate-weighted D + G
+    tau = max(t_train, batch / total, lag / staleness)
+    return t_train / tau
 
 
 def node_min_staleness(node: NodeCapacity, t_train: float) -> int:

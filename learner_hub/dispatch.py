@@ -200,6 +200,10 @@ class Dispatcher:
         min_version = max(0, learner_version - cfg.staleness)
         order = sorted((st for st in self.nodes.values() if st.active), key=lambda s: (-s.rate, s.node_id))
         progress = True
+        # A node's task never takes more than its rate-weighted share of the queue: one fast node
+        # must not swallow a whole batch while the others idle.
+        total_rate = sum(st.rate for st in order) or 1.0
+        queued = len(self.queue)
         # Round-robin over nodes (one task per node per round) so a short queue is spread out
         # rather than handed wholesale to the first node.
         while self.queue and progress:
@@ -209,12 +213,13 @@ class Dispatcher:
                     break
                 if len(st.in_flight) >= cfg.max_in_flight_per_node:
                     continue
-                task = self._make_task(now, st, min_version)
+                share = max(1, math.ceil(queued * st.rate / total_rate))
+                task = self._make_task(now, st, min_version, share)
                 out.append(task)
                 progress = True
         return out
 
-    def _make_task(self, now: float, st: NodeState, min_version: int) -> TaskAssignment:
+    def _make_task(self, now: float, st: NodeState, min_version: int, max_groups: int | None = None) -> TaskAssignment:
         cfg = self.config
         budget = st.rate * cfg.target_task_s  # rollouts the node should do in target_task_s
         groups: list[PromptGroup] = [self.queue.popleft()]

@@ -514,6 +514,7 @@ class Hub:
                     "mismatch_max": stats.mismatch_max,
                     "train_s": round(t1 - t0, 4),
                     "busy_fraction": self.busy_fraction(),
+                    "predicted_busy_fraction": self.predicted_busy_fraction(),
                 }
             )
             log.info(
@@ -549,11 +550,10 @@ class Hub:
         """Per node D_i (receive + load a version), G_i (one task) and r_i, all hub-measured."""
         from .capacity import NodeCapacity
 
-        pub = self.publisher.latest
         out = []
         for peer in self.nodes:
             rate = self.dispatcher.rate_of(peer) if peer in self.dispatcher.nodes else 0.0
-            d = pub.holds.get(peer, 0.0) if pub is not None else 0.0
+            d = self.publisher.load_s.get(peer, 0.0)
             g = (self.cfg.group_size * max(1, self.batch_groups // max(1, len(self.nodes)))) / rate if rate > 0 else 0.0
             out.append(NodeCapacity(peer, load_s=d, task_s=g, rate=rate))
         return out
@@ -566,6 +566,15 @@ class Hub:
         t = self.t_train() or 1e-3
         s = self.cfg.staleness if staleness is None else staleness
         return capacity_report(b, t, s, nodes)
+
+    def predicted_busy_fraction(self) -> float:
+        """The capacity model's learner utilization for the measured fleet (BRIEF §5)."""
+        if not self.history or not self.nodes:
+            return 0.0
+        try:
+            return float(self.capacity_report().predicted_utilization)
+        except ValueError:
+            return 0.0
 
     def _fleet_changed(self) -> None:
         rep = self.capacity_report()
@@ -643,6 +652,8 @@ class Hub:
             "task": self.cfg.task,
             "wall_s": round(time.time() - self.started, 3),
             "learner_busy_fraction": self.busy_fraction(),
+            "predicted_busy_fraction": self.predicted_busy_fraction(),
+            "t_train_s": self.t_train(),
             "results_accepted": st.accepted,
             "rollouts_accepted": st.accepted_rollouts,
             "stale_dropped": st.stale_dropped + self.buffer.stale_dropped,

@@ -52,6 +52,7 @@ class PolicyPublisher:
         self.full_every = int(cfg.full_every)
         self.latest: Published | None = None
         self.history: list[dict[str, Any]] = []
+        self.load_s: dict[str, float] = {}  # D_i: EWMA of publication -> node holds it, per node
 
     @property
     def latest_version(self) -> int:
@@ -88,7 +89,10 @@ class PolicyPublisher:
     def record_holds(self, peer: str, version: int) -> None:
         pub = self.latest
         if pub is not None and pub.version == version and peer not in pub.holds:
-            pub.holds[peer] = time.time() - pub.published_at
+            d = time.time() - pub.published_at
+            pub.holds[peer] = d
+            prev = self.load_s.get(peer)
+            self.load_s[peer] = d if prev is None else 0.7 * prev + 0.3 * d
 
     def _close_metrics(self, pub: Published) -> None:
         times = sorted(pub.holds.values())

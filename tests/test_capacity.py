@@ -50,10 +50,14 @@ def test_freshness_boundary_is_inclusive() -> None:
 
 
 def test_utilization_pipelined() -> None:
-    # S=1: only b (6/s): 6*4/64 = 0.375; S=2: 14*4/64 = 0.875; S=3: 24*4/64 >= 1 -> 1
-    assert predicted_utilization(64, 4.0, 1, FLEET) == pytest.approx(0.375)
-    assert predicted_utilization(64, 4.0, 2, FLEET) == pytest.approx(0.875)
+    # step time tau = max(T, B / sum r, (rate-weighted D+G) / S); sum r = 24, B / sum r = 2.667,
+    # rate-weighted D+G = (8*5 + 6*3 + 10*11) / 24 = 7.0
+    # S=1: tau = max(4, 2.667, 7) = 7 -> 4/7; S=2: tau = max(4, 2.667, 3.5) = 4 -> 1; S=3 -> 1
+    assert predicted_utilization(64, 4.0, 1, FLEET) == pytest.approx(4 / 7)
+    assert predicted_utilization(64, 4.0, 2, FLEET) == pytest.approx(1.0)
     assert predicted_utilization(64, 4.0, 3, FLEET) == pytest.approx(1.0)
+    # throughput-bound fleet: only b, always fresh at S=2: 6*4/64 = 0.375
+    assert predicted_utilization(64, 4.0, 2, [Bn]) == pytest.approx(0.375)
 
 
 def test_utilization_synchronous() -> None:
