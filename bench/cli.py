@@ -11,6 +11,7 @@ BENCHES: dict[str, tuple[str, str]] = {
     "transport": ("echo2.bench.transport", "raw TCP vs py-libp2p stream vs echo2 data plane"),
     "broadcast": ("echo2.bench.broadcast", "policy broadcast: star vs pipelined relay (real processes or --simulate)"),
     "node": ("echo2.bench.node", "node throughput: raw engine vs the full signed task path"),
+    "e2e": ("echo2.bench.e2e", "the whole loop per staleness bound: busy fraction (measured vs predicted), wall time, reward"),
     "activation": ("echo2.bench.activation", "cost-aware activation: exact vs echo2 vs all vs cheapest-first"),
 }
 

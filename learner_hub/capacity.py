@@ -17,16 +17,19 @@ Formulas (and why):
   With work split across the set in proportion to rates, the batch takes ``G_batch = B / sum r``
   after the slowest load ``D = max D_i``::
 
-      U(S=0) = T_train / (T_train + D + G_batch)
+      U(S=0) = T_train / (T_train + O + D + G_batch)
+
+  where ``O`` is the hub's own serial work per step besides training (packing and publishing the
+  version, persisting): measured, and overlapped by nothing.
 
 * S >= 1 is *pipelined*: generation overlaps training. A step lasts
-  ``tau = max(T_train, B / sum r, L / S)`` where ``L`` is the rate-weighted mean of ``D_i + G_i``:
+  ``tau = max(T_train + O, B / sum r, L / S)`` where ``L`` is the rate-weighted mean of ``D_i + G_i``:
   throughput bounds the step from below by ``B / sum r``, and freshness by ``L / S``: the hub only
   hands a node work it can return within S steps, so a fleet slower than ``S * T_train``
   stretches the learner's steps rather than feeding it stale rollouts (echo2's dispatcher asks
   each task for a version that will still be admissible when the result lands)::
 
-      U(S>=1) = T_train / max(T_train, B / sum r, L / S)
+      U(S>=1) = T_train / max(T_train + O, B / sum r, L / S)
 
   When every node is fresh (``D_i + G_i <= S * T_train``) this is ``min(1, sum r * T_train / B)``,
   the classical throughput bound. The provisioning rule below still uses the strict freshness
@@ -79,8 +82,13 @@ def eligible(nodes: Sequence[NodeCapacity], staleness: int, t_train: float) -> l
     return [n for n in nodes if is_fresh(n, staleness, t_train)]
 
 
-def predicted_utilization(batch: int, t_train: float, staleness: int, nodes: Sequence[NodeCapacity]) -> float:
-    """Fraction of wall time the learner trains, for the given *active* set (see module doc)."""
+def predicted_utilization(
+    batch: int, t_train: float, staleness: int, nodes: Sequence[NodeCapacity], overhead_s: float = 0.0
+) -> float:
+    """Fraction of wall time the learner trains, for the given *active* set (see module doc).
+
+    ``overhead_s`` is the hub's serial work per step besides training (packing and publishing
+    the new version, persisting), which no staleness bound can overlap."""
     if batch <= 0 or t_train <= 0:
         raise ValueError("B and T_train must be > 0")
     if staleness == 0:
@@ -88,8 +96,8 @@ def predicted_utilization(batch: int, t_train: float, staleness: int, nodes: Seq
         if total <= 0:
             return 0.0
         d = max(n.load_s for n in nodes)
-        return t_train / (t_train + d + batch / total)
-    # Pipelined: a learner step lasts tau = max(T, B / sum r, (D + G) / S). The last term is
+        return t_train / (t_train + overhead_s + d + batch / total)
+    # Pipelined: a learner step lasts tau = max(T + O, B / sum r, (D + G) / S). The last term is
     # freshness: a rollout of version v must land before step v + S starts, S·tau after v was
     # published, so nodes slower than S·T stretch the step instead of being useless. When every
     # node is fresh this is min(1, sum r · T / B), the throughput bound.
@@ -97,7 +105,7 @@ def predicted_utilization(batch: int, t_train: float, staleness: int, nodes: Seq
     if total <= 0:
         return 0.0
     lag = sum(n.rate * (n.load_s + n.task_s) for n in nodes) / total  # rate-weighted D + G
-    tau = max(t_train, batch / total, lag / staleness)
+    tau = max(t_train + overhead_s, batch / total, lag / staleness)
     return t_train / tau
 
 
@@ -165,6 +173,7 @@ def capacity_report(
     staleness: int,
     nodes: Sequence[NodeCapacity],
     margin: float = 1.0,
+    overhead_s: float = 0.0,
 ) -> CapacityReport:
     if staleness < 0:
         raise ValueError("staleness must be >= 0")
@@ -184,6 +193,7 @@ def capacity_report(
         ineligible={n.node_id: n.load_s + n.task_s for n in nodes if n.node_id not in el_ids},
         synchronous=staleness == 0,
         meets_throughput=el_rate + _EPS >= need,
-        predicted_utilization=predicted_utilization(batch, t_train, staleness, el) if el else 0.0,
+        # the step-time model accounts for stale nodes itself (they stretch steps)
+        predicted_utilization=predicted_utilization(batch, t_train, staleness, nodes, overhead_s) if nodes else 0.0,
         min_busy_staleness=min_busy_staleness(batch, t_train, nodes, margin),
     )

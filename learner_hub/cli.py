@@ -132,5 +132,5 @@ def _plan(args: argparse.Namespace) -> int:
         return 1
     nodes = [NodeCapacity(n["node_id"], n["load_s"], n["task_s"], n["rate"]) for n in meta["nodes"]]
     s = meta["staleness"] if args.staleness is None else args.staleness
-    print(capacity_report(meta["batch"], max(meta["t_train"], 1e-3), s, nodes).format())
+    print(capacity_report(meta["batch"], max(meta["t_train"], 1e-3), s, nodes, overhead_s=meta.get("overhead_s", 0.0)).format())
     return 0

@@ -249,13 +249,14 @@ class Hub:
         return len(self.dispatcher.queue) + in_flight + len(self.buffer)
 
     def _refill(self) -> None:
-        """Keep B·max(1, S) groups in the pipeline: enough to keep the learner busy for S steps."""
+        """Keep B·max(1, S-1) groups in the pipeline: the next batch(es), never more than S allows."""
         remaining_steps = self.cfg.steps - self.learner.version
         if remaining_steps <= 0:
             return
-        # Rollouts queued beyond B·S would be consumed more than S steps after their version was
-        # current, so they would be dropped as stale: over-generation is pure waste.
-        target = self.batch_groups * min(max(1, self.cfg.staleness), remaining_steps)
+        # Rollouts queued beyond B·(S-1) would be consumed more than S steps after their version
+        # was current (one step of lag is the version still travelling to the nodes), so they
+        # would be dropped as stale: over-generation is pure waste.
+        target = self.batch_groups * min(max(1, self.cfg.staleness - 1), remaining_steps)
         need = target - self._outstanding_groups()
         if need <= 0:
             return
@@ -526,6 +527,7 @@ class Hub:
             self._refill()
             self._pump()
             await trio.to_thread.run_sync(self._persist_step, [tid for _, (tid, _) in batch])
+            self.history[-1]["overhead_s"] = round(time.time() - t1, 4)
             self.write_status()
         log.info("finished %d steps", self.cfg.steps)
         self.write_status(final=True)
@@ -542,6 +544,10 @@ class Hub:
                 self.reputation.record(peer, Event.CHECK_OK)
 
     # --- capacity model (BRIEF §5) ----------------------------------------------------------------
+    def step_overhead(self) -> float:
+        recent = [h["overhead_s"] for h in self.history[-20:] if "overhead_s" in h]
+        return sum(recent) / len(recent) if recent else 0.0
+
     def t_train(self) -> float:
         recent = [h["train_s"] for h in self.history[-20:]]
         return sum(recent) / len(recent) if recent else 0.0
@@ -565,7 +571,7 @@ class Hub:
         b = self.batch_groups * self.cfg.group_size
         t = self.t_train() or 1e-3
         s = self.cfg.staleness if staleness is None else staleness
-        return capacity_report(b, t, s, nodes)
+        return capacity_report(b, t, s, nodes, overhead_s=self.step_overhead())
 
     def predicted_busy_fraction(self) -> float:
         """The capacity model's learner utilization for the measured fleet (BRIEF §5)."""
@@ -585,6 +591,7 @@ class Hub:
         return {
             "batch": self.batch_groups * self.cfg.group_size,
             "t_train": self.t_train(),
+            "overhead_s": self.step_overhead(),
             "staleness": self.cfg.staleness,
             "nodes": [
                 {"node_id": n.node_id, "load_s": n.load_s, "task_s": n.task_s, "rate": n.rate}

@@ -53,6 +53,8 @@ class PolicyPublisher:
         self.latest: Published | None = None
         self.history: list[dict[str, Any]] = []
         self.load_s: dict[str, float] = {}  # D_i: EWMA of publication -> node holds it, per node
+        self.recent: dict[int, Published] = {}  # the last few versions, for late holds reports
+        self._first_seen: set[str] = set()
 
     @property
     def latest_version(self) -> int:
@@ -76,9 +78,10 @@ class PolicyPublisher:
         packed = await trio.to_thread.run_sync(pack)
         env = envelope.seal(self.identity, packed.manifest, ttl_s=7 * 24 * 3600.0)
         pub = Published(version, packed, env, time.time())
-        if self.latest is not None:
-            self._close_metrics(self.latest)
         self.latest = pub
+        self.recent[version] = pub
+        for old in sorted(self.recent)[:-16]:
+            self._close_metrics(self.recent.pop(old))
         enc = sum(len(e) for e in packed.encoded)
         log.info(
             "published version %d: %d chunks, %.2f MB raw, %.2f MB encoded (%.1fs to pack)",
@@ -87,12 +90,17 @@ class PolicyPublisher:
         return pub
 
     def record_holds(self, peer: str, version: int) -> None:
-        pub = self.latest
-        if pub is not None and pub.version == version and peer not in pub.holds:
-            d = time.time() - pub.published_at
-            pub.holds[peer] = d
-            prev = self.load_s.get(peer)
-            self.load_s[peer] = d if prev is None else 0.7 * prev + 0.3 * d
+        pub = self.recent.get(version)
+        if pub is None or peer in pub.holds:
+            return
+        d = time.time() - pub.published_at
+        pub.holds[peer] = d
+        if peer not in self._first_seen:
+            # the first version a node gets includes its own start-up and admission: not D_i
+            self._first_seen.add(peer)
+            return
+        prev = self.load_s.get(peer)
+        self.load_s[peer] = d if prev is None else 0.7 * prev + 0.3 * d
 
     def _close_metrics(self, pub: Published) -> None:
         times = sorted(pub.holds.values())

@@ -104,9 +104,17 @@ def test_cli_simulate_json_and_plot(tmp_path: Path, capsys: pytest.CaptureFixtur
     assert "pipelined" in capsys.readouterr().out
 
 
-def test_cli_without_simulate_says_real_path_missing(tmp_path: Path) -> None:
-    with pytest.raises(SystemExit, match="use --simulate"):
-        run_cli(tmp_path, "--nodes", "8")
+@pytest.mark.slow
+def test_cli_real_processes_small(tmp_path: Path) -> None:
+    """Without --simulate: real node processes; the row carries the simulator's prediction."""
+    out = tmp_path / "r.json"
+    rc = run_cli(tmp_path, "--nodes", "3", "--mbytes", "3", "--link-MBps", "8", "--mode", "pipelined",
+                 "--json", str(out))
+    assert rc == 0
+    (row,) = json.loads(out.read_text())["results"]
+    assert row["simulated"] is False and row["mode"] == "pipelined" and row["nodes"] == 3
+    assert row["seconds"] >= row["ideal_seconds"] * 0.9  # the token buckets really limit
+    assert row["sim_seconds"] > 0 and row["hub_sent_bytes"] > 0
 
 
 def test_cli_rejects_bad_arguments(tmp_path: Path) -> None:

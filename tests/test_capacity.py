@@ -85,9 +85,10 @@ def test_report() -> None:
     assert rep.eligible_ids == ("a", "b") and rep.eligible_rate == pytest.approx(14.0)
     assert rep.ineligible == {"c": pytest.approx(11.0)}
     assert not rep.meets_throughput and not rep.synchronous
-    assert rep.predicted_utilization == pytest.approx(0.875)
+    # whole fleet at S=2: tau = max(4, 64/24, 7/2) = 4 -> 1.0 (c stretches nothing at S=2)
+    assert rep.predicted_utilization == pytest.approx(1.0)
     assert rep.min_busy_staleness == 3
     text = rep.format()
-    assert "R* = 20" in text and "BELOW" in text and "87.5%" in text and "c (D+G=11s)" in text
+    assert "R* = 20" in text and "BELOW" in text and "100.0%" in text and "c (D+G=11s)" in text
     sync = capacity_report(64, 4.0, 0, FLEET)
     assert sync.synchronous and sync.meets_throughput and "synchronous" in str(sync)

@@ -27,6 +27,12 @@ How the py-libp2p 0.8.1 traps (BRIEF §9) are handled:
   the ``host.run`` context, after our own tasks are cancelled.
 * Errors out of ``host.run()`` arrive as nested ExceptionGroups: they are left to propagate
   (after shutdown) rather than swallowed, since they mean a bug, not a hostile peer.
+
+Hostile peers (:class:`RequestLimits`): each remote peer ID has a token bucket per protocol
+(refused with ``rate_limited`` before a byte of the request is read), a cap on the streams it
+holds open at once (``too_many_streams``), request bodies being received count against a
+budget over all peers (``busy``), and gossip is rate-limited per origin and topic. Refusals are
+counted in ``refusals`` by code; their log lines are thinned under a flood (:class:`LogThrottle`).
 """
 
 from __future__ import annotations
@@ -37,8 +43,8 @@ import logging
 import math
 import random
 import secrets
-from collections.abc import AsyncIterator, Awaitable, Callable
-from dataclasses import dataclass
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
 import multiaddr
@@ -84,11 +90,13 @@ from .framing import (
     encode_frame,
     encode_ok,
 )
+from .peerlimit import ConcurrencyLimiter, KeyedRateLimiter, LogThrottle
 
 __all__ = [
     "ANNOUNCE_TOPIC",
     "PING_PROTOCOL",
     "ControlHost",
+    "RequestLimits",
     "GossipConfig",
     "Handler",
     "RemoteError",
@@ -127,6 +135,29 @@ class GossipConfig:
     max_messages_per_topic_per_second: float = 200.0
     seen_ttl_s: int = 120
     handler_timeout_s: float = 10.0
+
+
+@dataclass(frozen=True)
+class RequestLimits:
+    """What one remote peer may ask of this host; every figure is per remote peer ID.
+
+    The defaults are an order of magnitude above what an honest node does (one work long-poll,
+    a result every task, a holds report per version: a few requests per second at most) and far
+    below what a single core can answer, so a hostile peer cannot crowd out the rest. A
+    protocol that needs other figures gets them in ``per_protocol`` (protocol ID -> (rate,
+    burst)). Fresh identities are free to make, so ``max_inflight_bytes`` bounds the memory all
+    peers together can pin with request bodies, whatever their number.
+    """
+
+    rate_per_s: float = 50.0
+    burst: float = 100.0
+    per_protocol: Mapping[str, tuple[float, float]] = field(default_factory=dict)
+    max_streams_per_peer: int = 32
+    max_inflight_bytes: int = 512 * 1024 * 1024
+    gossip_rate_per_s: float = 10.0  # messages per origin and topic handed to the handler
+    gossip_burst: float = 30.0
+    max_tracked_peers: int = 100_000
+    log_lines_per_s: int = 10
 
 
 def keypair_from_identity(identity: Identity) -> KeyPair:
@@ -320,6 +351,7 @@ class ControlHost:
         backoff_base_s: float = 0.5,
         backoff_cap_s: float = 30.0,
         max_connections: int = 4096,
+        limits: RequestLimits | None = None,
     ) -> None:
         self.identity = identity
         self.peer_id = identity.peer_id
@@ -335,6 +367,14 @@ class ControlHost:
         self.backoff_cap_s = backoff_cap_s
         self.max_connections = max_connections
         self.refusals: collections.Counter[str] = collections.Counter()
+        self.limits = limits or RequestLimits()
+        self._rate: dict[str, KeyedRateLimiter] = {}
+        self._gossip_rate = KeyedRateLimiter(
+            self.limits.gossip_rate_per_s, self.limits.gossip_burst, max_keys=self.limits.max_tracked_peers
+        )
+        self._streams = ConcurrencyLimiter(self.limits.max_streams_per_peer)
+        self._inflight_bytes = 0
+        self._log = LogThrottle(logger, self.limits.log_lines_per_s)
         self._keypair = keypair_from_identity(identity)
         self._host: IHost | None = None
         self._pubsub: Pubsub | None = None
@@ -627,7 +667,29 @@ class ControlHost:
 
     def _refuse(self, code: str, peer: str, protocol_id: str, detail: str) -> None:
         self.refusals[code] += 1
-        logger.warning("refused %s from %s: [%s] %s", protocol_id, peer, code, detail)
+        self._log.log(
+            logging.WARNING, code, trio.current_time(), "refused %s from %s: [%s] %s", protocol_id, peer, code, detail
+        )
+
+    def _rate_limiter(self, protocol_id: str) -> KeyedRateLimiter:
+        lim = self._rate.get(protocol_id)
+        if lim is None:
+            rate, burst = self.limits.per_protocol.get(protocol_id, (self.limits.rate_per_s, self.limits.burst))
+            lim = KeyedRateLimiter(rate, burst, max_keys=self.limits.max_tracked_peers)
+            self._rate[protocol_id] = lim
+        return lim
+
+    def _admit_stream(self, peer: str, protocol_id: str) -> bytes | None:
+        """An error reply if ``peer`` may not open this stream now; None (stream counted) if it may."""
+        if not self._rate_limiter(protocol_id).allow(peer, trio.current_time()):
+            msg = f"more than {self._rate_limiter(protocol_id).rate_per_s:g} requests/s on {protocol_id}"
+            self._refuse("rate_limited", peer, protocol_id, msg)
+            return encode_error("rate_limited", msg)
+        if not self._streams.acquire(peer):
+            msg = f"more than {self._streams.limit} concurrent streams"
+            self._refuse("too_many_streams", peer, protocol_id, msg)
+            return encode_error("too_many_streams", msg)
+        return None
 
     async def _serve_stream(
         self,
@@ -638,14 +700,17 @@ class ControlHost:
         timeout_s: float,
     ) -> None:
         peer = "?"
+        counted = False
         try:
             peer = _peer_str(stream.muxed_conn.peer_id)
-            reply: bytes | None = None
-            with trio.move_on_after(timeout_s) as scope:
-                reply = await self._answer(stream, peer, protocol_id, handler, max_request)
-            if scope.cancelled_caught:
-                self._refuse("timeout", peer, protocol_id, f"no reply within {timeout_s:g} s")
-                reply = encode_error("timeout", f"no reply within {timeout_s:g} s")
+            reply: bytes | None = self._admit_stream(peer, protocol_id)
+            if reply is None:
+                counted = True
+                with trio.move_on_after(timeout_s) as scope:
+                    reply = await self._answer(stream, peer, protocol_id, handler, max_request)
+                if scope.cancelled_caught:
+                    self._refuse("timeout", peer, protocol_id, f"no reply within {timeout_s:g} s")
+                    reply = encode_error("timeout", f"no reply within {timeout_s:g} s")
             if reply is None:
                 await _quiet_close(stream, reset=True)
                 return
@@ -659,8 +724,13 @@ class ControlHost:
         except Exception as exc:
             # Last line of defence: nothing may escape into the swarm (it would kill the host).
             self.refusals["transport"] += 1
-            logger.warning("stream %s from %s failed: %r", protocol_id, peer, exc)
+            self._log.log(
+                logging.WARNING, "transport", trio.current_time(), "stream %s from %s failed: %r", protocol_id, peer, exc
+            )
             await _quiet_close(stream, reset=True)
+        finally:
+            if counted:
+                self._streams.release(peer)
 
     async def _answer(
         self,
@@ -672,7 +742,7 @@ class ControlHost:
     ) -> bytes | None:
         """The response body for one request, or None when the stream is beyond replying to."""
         try:
-            request = await _read_frame(stream, max_size=max_request)
+            length = decode_header(await _read_exactly(stream, HEADER_SIZE), max_size=max_request)
         except TooLarge as exc:
             # Refused from the header alone; the requester reads while it writes, so it sees this.
             self._refuse(exc.code, peer, protocol_id, exc.message)
@@ -680,15 +750,30 @@ class ControlHost:
         except Echo2Error as exc:
             self._refuse(exc.code, peer, protocol_id, exc.message)
             return None
+        budget = self.limits.max_inflight_bytes
+        if self._inflight_bytes + length > budget:
+            msg = f"too many request bytes in flight ({self._inflight_bytes} + {length} > {budget}); retry later"
+            self._refuse("busy", peer, protocol_id, msg)
+            return encode_error("busy", msg)
+        # Held until the handler is done with the body, not only while it arrives.
+        self._inflight_bytes += length
         try:
-            return encode_ok(await handler(peer, request))
-        except Echo2Error as exc:
-            self._refuse(exc.code, peer, protocol_id, exc.message)
-            return encode_error(exc.code, exc.message)
-        except Exception as exc:
-            self.refusals["internal"] += 1
-            logger.exception("handler for %s failed on a request from %s", protocol_id, peer)
-            return encode_error("internal", f"internal error ({type(exc).__name__})")
+            try:
+                request = await _read_exactly(stream, length) if length else b""
+            except Echo2Error as exc:
+                self._refuse(exc.code, peer, protocol_id, exc.message)
+                return None
+            try:
+                return encode_ok(await handler(peer, request))
+            except Echo2Error as exc:
+                self._refuse(exc.code, peer, protocol_id, exc.message)
+                return encode_error(exc.code, exc.message)
+            except Exception as exc:
+                self.refusals["internal"] += 1
+                logger.exception("handler for %s failed on a request from %s", protocol_id, peer)
+                return encode_error("internal", f"internal error ({type(exc).__name__})")
+        finally:
+            self._inflight_bytes -= length
 
     async def _open_stream(self, peer: str, protocol_ids: list[str], deadline: float) -> INetStream:
         host = self._require_host()
@@ -867,6 +952,9 @@ class ControlHost:
             try:
                 origin = ID(msg.from_id).to_base58()
                 if origin == self.peer_id:
+                    continue
+                if not self._gossip_rate.allow((topic, origin), trio.current_time()):
+                    self._refuse("rate_limited", origin, topic, "gossip messages above the per-origin rate")
                     continue
                 data = bytes(msg.data)
                 if len(data) > cfg.max_message_size:

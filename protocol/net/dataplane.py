@@ -38,6 +38,12 @@ arrives, so a peer cannot make us reserve memory it does not send. Types:
 - ``BYE``: clean end. A connection that ends (EOF) without BYE, or in the middle of a frame, is a
   dead peer: ``TransportError``, never a clean end.
 
+Hostile peers (:class:`DataPlaneServer`): a global cap on connections, a cap per remote IP
+(``too_many_connections.ip``, checked before the handshake, so it costs no signature), a
+token bucket of handshake attempts per IP (``handshake.rate_limited``), and a cap per
+authenticated peer ID (refused in the handshake verdict, ``too_many_connections.peer``).
+Refusal log lines are thinned under a flood; every refusal is counted.
+
 Rate limits: sends can be throttled by a per-connection and a per-process
 :class:`~echo2.protocol.net.ratelimit.UploadLimiter` (MB/s, 1 MB = 10**6 bytes), applied in
 64 KiB slices so the rate is smooth.
@@ -70,6 +76,7 @@ from ..errors import (
 )
 from ..hashing import digest
 from ..identity import Identity, peer_id_from_public_key, verify_signature
+from .peerlimit import ConcurrencyLimiter, KeyedRateLimiter, LogThrottle
 from .ratelimit import DEFAULT_SLICE_BYTES, UploadLimiter, acquire_all
 
 log = logging.getLogger(__name__)
@@ -663,6 +670,12 @@ class DataPlaneServer:
     handler returns, the connection is closed cleanly (BYE); when it raises, it is aborted.
     ``upload_limit_MBps`` caps each connection; ``upload_limiter`` (shared with ``connect`` calls
     of the same process, if wanted) caps them all together.
+
+    Limits on hostile peers: ``max_connections`` in all; ``max_connections_per_ip`` from one
+    remote address (default: a quarter of ``max_connections``, so no single address can take the
+    whole server, while a loopback bench whose nodes all share 127.0.0.1 still fits when it
+    sizes ``max_connections`` for them); ``max_connections_per_peer`` per authenticated peer ID;
+    ``handshakes_per_ip_per_s`` / ``handshake_burst`` attempts per address (None: unlimited).
     """
 
     def __init__(
@@ -678,6 +691,10 @@ class DataPlaneServer:
         handshake_timeout_s: float = 10.0,
         max_connections: int = 256,
         max_sizes: Mapping[FrameType, int] | None = None,
+        max_connections_per_ip: int | None = None,
+        max_connections_per_peer: int = 8,
+        handshakes_per_ip_per_s: float | None = 20.0,
+        handshake_burst: float = 40.0,
     ) -> None:
         self.identity = identity
         self.handler = handler
@@ -692,6 +709,15 @@ class DataPlaneServer:
         self.stats = DataPlaneStats()
         self.active = 0
         self.listeners: list[trio.SocketListener] = []
+        per_ip = max_connections_per_ip if max_connections_per_ip is not None else max(1, max_connections // 4)
+        self.per_ip = ConcurrencyLimiter(per_ip)
+        self.per_peer = ConcurrencyLimiter(max_connections_per_peer)
+        self.handshake_rate = (
+            KeyedRateLimiter(handshakes_per_ip_per_s, handshake_burst, max_keys=65536)
+            if handshakes_per_ip_per_s
+            else None
+        )
+        self._log = LogThrottle(log)
 
     @property
     def addr(self) -> str:
@@ -708,38 +734,76 @@ class DataPlaneServer:
         task_status.started(self)
         await trio.serve_listeners(self._handle, self.listeners)
 
-    def _refuse(self, key: str) -> None:
+    def _refuse(self, key: str, msg: str = "", *args: object) -> None:
         _count_refusal(key, self.stats)
+        if msg:
+            self._log.log(logging.WARNING, key, trio.current_time(), msg, *args)
 
     async def _handle(self, stream: trio.SocketStream) -> None:
+        try:
+            ip = str(stream.socket.getpeername()[0])
+        except (OSError, IndexError, TypeError):
+            ip = "?"
         if self.active >= self.max_connections:
-            self._refuse("too_many_connections")
+            self._refuse("too_many_connections", "data plane full (%d connections): refused %s", self.active, ip)
+            await trio.aclose_forcefully(stream)
+            return
+        if self.handshake_rate is not None and not self.handshake_rate.allow(ip, trio.current_time()):
+            self._refuse("handshake.rate_limited", "data-plane handshakes from %s above the per-address rate", ip)
+            await trio.aclose_forcefully(stream)
+            return
+        if not self.per_ip.acquire(ip):
+            self._refuse("too_many_connections.ip", "more than %d data-plane connections from %s", self.per_ip.limit, ip)
             await trio.aclose_forcefully(stream)
             return
         self.active += 1
         try:
-            await self._handle_inner(stream)
+            await self._handle_inner(stream, ip)
         finally:
             self.active -= 1
+            self.per_ip.release(ip)
 
-    async def _handle_inner(self, stream: trio.SocketStream) -> None:
+    async def _handle_inner(self, stream: trio.SocketStream, remote: str) -> None:
+        held: list[str] = []  # the peer ID counted against per_peer, once the handshake took it
+        over_limit: list[str] = []
+
+        def allow(peer_id: str) -> bool:
+            # Runs inside the handshake, after the peer proved its key: a refusal here reaches
+            # the dialer as the handshake verdict, and the slot is taken before any await.
+            if not self.per_peer.acquire(peer_id):
+                over_limit.append(peer_id)
+                return False
+            held.append(peer_id)
+            return self.allow is None or bool(self.allow(peer_id))
+
         try:
-            remote = stream.socket.getpeername()
-        except OSError:
-            remote = "?"
+            await self._handshake_and_serve(stream, remote, allow, over_limit)
+        finally:
+            for peer_id in held:
+                self.per_peer.release(peer_id)
+
+    async def _handshake_and_serve(
+        self, stream: trio.SocketStream, remote: str, allow: Callable[[str], bool], over_limit: list[str]
+    ) -> None:
         try:
             with trio.fail_after(self.handshake_timeout_s):
                 peer_id, peer_key = await _handshake(
-                    stream, self.identity, dialer=False, expected_peer_id=None, allow=self.allow
+                    stream, self.identity, dialer=False, expected_peer_id=None, allow=allow
                 )
         except trio.TooSlowError:
-            self._refuse("handshake.timeout")
-            log.warning("data-plane handshake from %s timed out", remote)
+            self._refuse("handshake.timeout", "data-plane handshake from %s timed out", remote)
             await trio.aclose_forcefully(stream)
             return
         except HandshakeRefused as exc:
-            self._refuse(f"handshake.{exc.reason}")
-            log.warning("data-plane handshake from %s refused: %s", remote, exc)
+            if over_limit:
+                self._refuse(
+                    "too_many_connections.peer",
+                    "more than %d data-plane connections from peer %s",
+                    self.per_peer.limit,
+                    over_limit[0],
+                )
+            else:
+                self._refuse(f"handshake.{exc.reason}", "data-plane handshake from %s refused: %s", remote, exc)
             await trio.aclose_forcefully(stream)
             return
         except Exception:
@@ -763,8 +827,7 @@ class DataPlaneServer:
         try:
             await self.handler(conn)
         except Echo2Error as exc:
-            self._refuse(f"handler.{exc.code}")
-            log.warning("data-plane connection with %s ended: %s", peer_id, exc)
+            self._refuse(f"handler.{exc.code}", "data-plane connection with %s ended: %s", peer_id, exc)
             await conn.abort()
             return
         except Exception:

@@ -1,0 +1,97 @@
+"""Churn with real processes: a third of the fleet SIGKILLed mid-run and replaced; a node that
+stops reading its policy downlink and a node too slow for its deadlines."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import pytest
+from hostile_node import assert_run_ok, logs, peer_of, query, small_cfg, start_hostile, wait_until
+
+from echo2.bench.swarm import LocalSwarm
+from echo2.learner_hub.hub import NODE_SILENCE_S
+
+
+@pytest.mark.slow
+@pytest.mark.e2e
+@pytest.mark.timeout(180)
+def test_sigkill_a_third_and_replace(tmp_path: Path) -> None:
+    steps = 40
+    # A short deadline makes the dead node's tasks come back quickly (the hub only drops a silent
+    # node after NODE_SILENCE_S); bigger batches keep the run going until the replacement joins.
+    cfg = small_cfg(steps, task_deadline_s=3.0, prompts_per_step=8, group_size=8, max_new_tokens=12, seed=5)
+    with LocalSwarm(tmp_path, cfg, n_nodes=2) as swarm:
+        swarm.start()
+        start_hostile(swarm, 2, "honest")  # unaltered behaviour; it marks the task it is running
+        wait_until(lambda: (s := swarm.status()) and s.get("step", 0) >= 3, 90, f"swarm reaches step 3\n{logs(tmp_path)}")
+        marker = tmp_path / "node2" / "current_task"
+        wait_until(marker.exists, 30, "the victim runs a task", poll_s=0.005)
+        before = swarm.status()
+        assert before is not None
+        victim = peer_of(tmp_path / "node2")
+        swarm.kill_node(2)
+        t_kill = time.monotonic()
+        swarm.start_node(3)
+        replacement = peer_of_when_ready(tmp_path / "node3")
+        st = swarm.wait(150)
+        assert_run_ok(st, steps, tmp_path)
+        assert st is not None and st["step"] > before["step"]
+        # the dead node's in-flight tasks passed their deadline and were handed out again
+        assert st["tasks_expired"] > before["tasks_expired"], (before["tasks_expired"], st["tasks_expired"])
+        done = {n["peer_id"]: n["tasks_done"] for n in st["nodes"]}
+        assert done.get(replacement, 0) > 0, f"replacement did no task: {done}"
+        # after NODE_SILENCE_S of silence the hub drops the dead node (state persisted as 'gone')
+        left = NODE_SILENCE_S + 5 - (time.monotonic() - t_kill)
+        wait_until(lambda: query(tmp_path, "SELECT 1 FROM nodes WHERE peer_id = ? AND state = 'gone'", (victim,)),
+                   max(left, 1.0), "dead node dropped")
+        final = swarm.status() or st
+        assert victim not in {n["peer_id"] for n in final["nodes"]}
+        assert f"node {victim} silent" in (tmp_path / "hub" / "hub.log").read_text()
+
+
+def peer_of_when_ready(node_dir: Path) -> str:
+    wait_until(lambda: (node_dir / "node.key").exists(), 30, "replacement node created its key")
+    return peer_of(node_dir)
+
+
+@pytest.mark.slow
+@pytest.mark.e2e
+@pytest.mark.timeout(180)
+def test_stalled_link_and_slow_node(tmp_path: Path) -> None:
+    """A node that stops reading its policy downlink and a node whose every task overruns its
+    deadline, beside two honest nodes: deadlines hand the slow node's work to others."""
+    steps = 30
+    cfg = small_cfg(steps, task_deadline_s=3.0, seed=7)
+    with LocalSwarm(tmp_path, cfg, n_nodes=2) as swarm:
+        swarm.start_hub()
+        # first in, so that they are handed the first tasks
+        start_hostile(swarm, 2, "slow")
+        start_hostile(swarm, 3, "stall")
+        wait_until(lambda: (tmp_path / "node2" / "current_task").exists(), 60, f"slow node got a task\n{logs(tmp_path)}")
+        for i in range(2):
+            swarm.start_node(i)
+        st = swarm.wait(150)
+        assert_run_ok(st, steps, tmp_path)
+        assert st is not None
+        slow, stalled = peer_of(tmp_path / "node2"), peer_of(tmp_path / "node3")
+        honest = {peer_of(tmp_path / f"node{i}") for i in range(2)}
+        # the slow node's tasks expired and went to others; its late results were refused as such
+        assert st["tasks_expired"] > 0
+        late = query(tmp_path, "SELECT reason FROM results WHERE node = ? AND accepted = 0", (slow,))
+        wait_until(lambda: query(tmp_path, "SELECT 1 FROM results WHERE node = ? AND reason = 'reassigned'", (slow,)),
+                   30, f"a late result of the slow node refused as reassigned (got {late})")
+        assert not query(tmp_path, "SELECT 1 FROM results WHERE node = ? AND accepted = 1", (slow,))
+        # the stalled node never took a version past the first, yet everyone else kept up
+        by_peer = {n["peer_id"]: n for n in st["nodes"]}
+        stall_report = json.loads((tmp_path / "node3" / "hostile.json").read_text())
+        assert stall_report.get("stalled_at_version") == 0
+        assert by_peer[stalled]["held_version"] == 0
+        assert all(by_peer[p]["held_version"] >= steps - 1 for p in honest), by_peer
+        assert all(by_peer[p]["tasks_done"] > 0 for p in honest)
+        # no node misbehaved provably: nobody is banned
+        assert not query(tmp_path, "SELECT peer_id FROM nodes WHERE banned = 1")
+        busy = st["learner_busy_fraction"]
+        print(f"learner busy fraction {busy:.3f}, tasks expired {st['tasks_expired']}, wall {st['wall_s']}s")
+        assert busy >= 0.1, busy
