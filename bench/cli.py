@@ -12,6 +12,7 @@ BENCHES: dict[str, tuple[str, str]] = {
     "broadcast": ("echo2.bench.broadcast", "policy broadcast: star vs pipelined relay (real processes or --simulate)"),
     "node": ("echo2.bench.node", "node throughput: raw engine vs the full signed task path"),
     "e2e": ("echo2.bench.e2e", "the whole loop per staleness bound: busy fraction (measured vs predicted), wall time, reward"),
+    "fuzz": ("echo2.bench.fuzz", "hostile peers against a real swarm: survival, memory, progress, refusals"),
     "activation": ("echo2.bench.activation", "cost-aware activation: exact vs echo2 vs all vs cheapest-first"),
 }
 

@@ -39,6 +39,7 @@ from echo2.protocol.messages import (
 )
 from echo2.protocol.net.control import ANNOUNCE_TOPIC, ControlHost
 from echo2.protocol.net.dataplane import DataPlaneServer
+from echo2.protocol.net.peerlimit import KeyedRateLimiter
 from echo2.protocol.net.ratelimit import UploadLimiter
 from echo2.protocol.wire import (
     ADMISSION,
@@ -100,7 +101,7 @@ class Hub:
 
         self.cfg = cfg
         self.dir = Path(cfg.dir)
-        self.dir.mkdir(parents=True, exist_ok=True)
+        self.dir.mkdir(mode=0o700, parents=True, exist_ok=True)
         self.identity = Identity.load_or_create(self.dir / "hub.key")
         torch.manual_seed(cfg.seed)
         dtype = torch.bfloat16 if cfg.dtype == "bfloat16" else torch.float32
@@ -158,6 +159,11 @@ class Hub:
         self.training = False
         self._fleet_changed_pending = False
         self.finished = False
+        self._host: Any = None
+        self._data_server: Any = None
+        self._probe_server: Any = None
+        self.gossip_replay = envelope.ReplayGuard(window_s=300.0, max_entries=100_000)
+        self._admission_bucket = KeyedRateLimiter(20.0, 50.0)
         self.addrs: list[str] = []
         self.data_addr = ""
         self.status_url = ""
@@ -295,7 +301,8 @@ class Hub:
                 deadline=a.deadline,
             )
             self.task_hashes[a.task_id] = task_hash(task)
-            ttl = max(60.0, a.deadline - now + 60.0)
+            # within the node's replay window (600 s), however long the deadline
+            ttl = min(540.0, max(60.0, a.deadline - now + 60.0))
             node.mailbox.append(envelope.seal(self.identity, task, ttl_s=ttl))
             node.wakeup.set()
 
@@ -306,6 +313,8 @@ class Hub:
         if req.peer_id != peer or req.announce.peer_id != peer:
             raise MeaningError("admission request names another peer")
         now = time.time()
+        if not self._admission_bucket.allow("all", trio.current_time()):
+            raise MeaningError("too many admission requests right now; retry later")
         d = self.admission.decide(peer, req.join_token, now)
         admitted, reason = d.admitted, d.reason
         self.store.log_admission(peer, now, admitted, d.code, reason)
@@ -474,7 +483,9 @@ class Hub:
         return envelope.seal(self.identity, ErrorReply(code="ok", message="noted"))
 
     async def on_announce(self, peer: str, data: bytes) -> None:
-        v = envelope.open_envelope(data, Announce, replay=self.replay)
+        # only admitted nodes' announcements matter; a separate, smaller replay cache keeps a flood
+        # of throw-away keys from crowding out the one that guards results
+        v = envelope.open_envelope(data, Announce, replay=self.gossip_replay, allowed=lambda s, _t: s in self.nodes)
         node = self.nodes.get(v.signer)
         if node is not None and v.message.peer_id == v.signer:
             node.announce = v.message
@@ -664,7 +675,7 @@ class Hub:
             "results_accepted": st.accepted,
             "rollouts_accepted": st.accepted_rollouts,
             "stale_dropped": st.stale_dropped + self.buffer.stale_dropped,
-            "refused_by_reason": dict(Counter(st.refused_by_reason) + self.refusals),
+            "refused_by_reason": dict(Counter(st.refused_by_reason) + self.refusals + self._edge_refusals()),
             "tasks_issued": st.issued,
             "tasks_expired": st.expired,
             "tasks_declined": st.declined,
@@ -692,6 +703,16 @@ class Hub:
             "ledger": self.ledger.totals(time.time()).as_dict(),
         }
 
+    def _edge_refusals(self) -> Counter[str]:
+        """Refusals counted by the network layer (control host, data planes), by reason."""
+        out: Counter[str] = Counter()
+        if self._host is not None:
+            out.update({f"control.{k}": v for k, v in self._host.refusals.items()})
+        for name, srv in (("dataplane", self._data_server), ("probe", self._probe_server)):
+            if srv is not None:
+                out.update({f"{name}.{k}": v for k, v in srv.stats.refusals.items()})
+        return out
+
     def write_status(self, final: bool = False) -> None:
         s = self.status()
         self.finished = self.finished or final
@@ -712,6 +733,7 @@ class Hub:
     # --- main ------------------------------------------------------------------------------------
     async def run(self) -> int:
         async with ControlHost(self.identity, listen_port=self.cfg.listen_port, listen_host=self.cfg.listen_host) as host:
+            self._host = host
             host.set_handler(ADMISSION, self.on_admission, max_request=MAX_CONTROL_REQUEST)
             host.set_handler(WORK, self.on_work, max_request=MAX_CONTROL_REQUEST)
             host.set_handler(RESULT, self.on_result, max_request=MAX_RESULT)
@@ -726,13 +748,17 @@ class Hub:
                     port=self.cfg.data_port,
                     allow=lambda pid: pid in self.nodes and self.store.ban_reason(pid) is None,
                     upload_limiter=UploadLimiter(self.cfg.upload_limit_MBps) if self.cfg.upload_limit_MBps > 0 else None,
+                    max_connections=4096,
+                    max_connections_per_ip=4096,
                 )
                 await nursery.start(server.serve)
+                self._data_server = server
                 self.data_addr = f"{self.cfg.listen_host}:{server.port}"
                 # A separate data plane for `echo2 node doctor` bandwidth probes: it runs before
                 # admission, and the policy downlink starts sending at once, so they cannot share.
                 probe_srv = DataPlaneServer(self.identity, handle_probe_connection, host=self.cfg.listen_host, port=0, max_connections=16)
                 await nursery.start(probe_srv.serve)
+                self._probe_server = probe_srv
                 self.probe = ProbeService(self.identity, control_host=host, probe_data_addr=f"{self.cfg.listen_host}:{probe_srv.port}")
                 host.set_handler(PROBE, self.probe.handle_control, max_request=MAX_PROBE_REQUEST)
                 self.addrs = list(host.addrs)
@@ -761,6 +787,7 @@ class Hub:
 
 
 def run_hub(cfg: HubConfig) -> int:
+    os.umask(0o077)  # key, database, checkpoints: the operator's only
     hub = Hub(cfg)
 
     async def main() -> int:

@@ -568,7 +568,7 @@ class HubStore:
 
         if step < 0:
             raise ValueError("step must be >= 0")
-        self.checkpoint_dir.mkdir(parents=True, exist_ok=True)
+        self.checkpoint_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
         final = self.checkpoint_dir / f"step-{step}.pt"
         tmp = self.checkpoint_dir / f".step-{step}.pt.tmp"
         with open(tmp, "wb") as f:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import time
 from pathlib import Path
 
@@ -21,7 +22,9 @@ def register(parser: argparse.ArgumentParser) -> None:
     run.add_argument("--max-upload-MBps", type=float, default=0.0, help="cap on what this node uploads (0 = unlimited)")
     run.add_argument("--listen-host", default="127.0.0.1")
     run.add_argument("--listen-port", type=int, default=0)
-    run.add_argument("--join-token", default="", help="join token printed by `echo2 hub token` (token admission)")
+    run.add_argument("--join-token", default=os.environ.get("ECHO2_JOIN_TOKEN", ""),
+                     help="join token printed by `echo2 hub token` (or set ECHO2_JOIN_TOKEN; visible in ps otherwise)")
+    run.add_argument("--join-token-file", type=Path, default=None, help="read the join token from this file")
     run.add_argument("--threads", type=int, default=0, help="torch threads (0 = torch default)")
     run.add_argument("--max-tasks", type=int, default=0, help=argparse.SUPPRESS)
     run.set_defaults(func=_run)
@@ -39,6 +42,9 @@ def _run(args: argparse.Namespace) -> int:
 
     if args.price < 0:
         raise SystemExit("--price must be >= 0")
+    token = args.join_token
+    if args.join_token_file is not None:
+        token = args.join_token_file.read_text().strip()
     cfg = NodeConfig(
         hub=args.hub,
         data_dir=args.data_dir,
@@ -47,7 +53,7 @@ def _run(args: argparse.Namespace) -> int:
         max_upload_MBps=args.max_upload_MBps,
         listen_host=args.listen_host,
         listen_port=args.listen_port,
-        join_token=args.join_token,
+        join_token=token,
         threads=args.threads,
         max_tasks=args.max_tasks,
     )

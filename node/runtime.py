@@ -111,6 +111,7 @@ class Node:
         self._started = time.time()
         self._current_task: Task | None = None
         self._admitted = trio.Event()
+        self._addrs: list[str] = []
         self.measured: dict[str, float] = {"tokens_per_s": 0.0, "rollouts_per_s": 0.0, "upload_MBps": 0.0, "download_MBps": 0.0}
         self.reachable = False
         self._measured_version = -1
@@ -165,6 +166,7 @@ class Node:
             "tokens": self.stats.tokens,
             "price_usd_per_hour": self.cfg.price_usd_per_hour,
             "uptime_s": round(time.time() - self._started, 1),
+            "addrs": self._addrs,
             "updated": time.time(),
         }
         path = self.cfg.data_dir / "node.state.json"
@@ -183,6 +185,7 @@ class Node:
         self._engine = select_engine(self.cfg.engine)
         log.info("node %s starting (engine %s, hub %s)", self.peer_id, self._engine.name, self.hub_peer)
         async with ControlHost(self.identity, listen_port=self.cfg.listen_port, listen_host=self.cfg.listen_host) as host:
+            self._addrs = list(host.addrs)
             decision = await self._admit(host)
             if decision is None:
                 return 1
@@ -463,7 +466,7 @@ class Node:
             tokens=tokens,
         )
         try:
-            await host.request(self.hub_peer, RESULT, envelope.seal(self.identity, result, ttl_s=600), max_response=MAX_CONTROL_REQUEST, timeout_s=30)
+            await host.request(self.hub_peer, RESULT, envelope.seal(self.identity, result, ttl_s=300), max_response=MAX_CONTROL_REQUEST, timeout_s=30)
             self.stats.tasks_done += 1
             self.stats.tokens += tokens
         except RemoteError as exc:
@@ -483,6 +486,7 @@ def _is_news(new: Manifest, held: Manifest) -> bool:
 
 
 def run_node(cfg: NodeConfig) -> int:
+    os.umask(0o077)  # identity and state: the volunteer's only
     node = Node(cfg)
 
     async def main() -> int:

@@ -78,7 +78,7 @@ def test_stalled_link_and_slow_node(tmp_path: Path) -> None:
         slow, stalled = peer_of(tmp_path / "node2"), peer_of(tmp_path / "node3")
         honest = {peer_of(tmp_path / f"node{i}") for i in range(2)}
         # the slow node's tasks expired and went to others; its late results were refused as such
-        assert st["tasks_expired"] > 0
+        wait_until(lambda: (swarm.status() or st)["tasks_expired"] > 0, 30, "a task of the slow node expired")
         late = query(tmp_path, "SELECT reason FROM results WHERE node = ? AND accepted = 0", (slow,))
         wait_until(lambda: query(tmp_path, "SELECT 1 FROM results WHERE node = ? AND reason = 'reassigned'", (slow,)),
                    30, f"a late result of the slow node refused as reassigned (got {late})")
@@ -88,10 +88,24 @@ def test_stalled_link_and_slow_node(tmp_path: Path) -> None:
         stall_report = json.loads((tmp_path / "node3" / "hostile.json").read_text())
         assert stall_report.get("stalled_at_version") == 0
         assert by_peer[stalled]["held_version"] == 0
-        assert all(by_peer[p]["held_version"] >= steps - 1 for p in honest), by_peer
+        for i in range(2):
+            wait_until(lambda i=i: _node_version(tmp_path / f"node{i}") == steps, 20,
+                       f"honest node{i} loads the final version despite the stalled peer")
         assert all(by_peer[p]["tasks_done"] > 0 for p in honest)
         # no node misbehaved provably: nobody is banned
         assert not query(tmp_path, "SELECT peer_id FROM nodes WHERE banned = 1")
+        # Deadlines bound each wait on the slow node, and one expiry must teach the hub: the learner
+        # may stall on it once (its speed is unknown at first), not again and again.
+        t = [0.0] + [h["t"] for h in st["history"]]
+        stalls = [round(b - a, 1) for a, b in zip(t[1:], t[2:], strict=False) if b - a > cfg.task_deadline_s]
         busy = st["learner_busy_fraction"]
-        print(f"learner busy fraction {busy:.3f}, tasks expired {st['tasks_expired']}, wall {st['wall_s']}s")
-        assert busy >= 0.1, busy
+        print(f"learner busy fraction {busy:.3f}, stalls {stalls}, tasks expired {st['tasks_expired']}")
+        assert len(stalls) <= 1, f"the learner stalled {len(stalls)} times on the slow node: {stalls} (busy {busy:.3f})"
+
+
+def _node_version(node_dir: Path) -> int | None:
+    try:
+        v = json.loads((node_dir / "node.state.json").read_text()).get("version")
+    except (OSError, ValueError):
+        return None
+    return int(v) if v is not None else None
