@@ -51,6 +51,7 @@ class HubConfig:
     task_target_s: float = 2.0
     # dissemination
     chunk_bytes: int = 0
+    broadcast: str = "star"
     full_every: int = 10
     exit_when_done: bool = False
     checkpoint_every: int = 10
@@ -63,6 +64,8 @@ class HubConfig:
         return Path(self.dir)
 
     def validate(self) -> None:
+        if self.broadcast not in ("pipelined", "star"):
+            raise ConfigError(f"broadcast must be pipelined or star, not {self.broadcast!r}")
         if self.admission not in ("open", "allowlist", "token"):
             raise ConfigError(f"admission must be open, allowlist or token, not {self.admission!r}")
         if self.staleness < 0:
@@ -130,6 +133,7 @@ task_deadline_s = {task_deadline_s}      # a task not answered by then is reassi
 task_target_s = {task_target_s}         # tasks are sized to take about this long on their node
 
 chunk_bytes = {chunk_bytes}            # 0 = packing default
+broadcast = {broadcast!r}      # pipelined (peer-assisted relay trees) | star (hub sends to every node)
 full_every = {full_every}             # a full snapshot every K versions bounds delta chains
 exit_when_done = {exit_when_done}   # stop the hub after `steps`
 checkpoint_every = {checkpoint_every}       # checkpoint policy, optimizer and step every K steps (restart resumes)

@@ -53,6 +53,7 @@ from echo2.protocol.wire import (
 )
 
 from .admission import AdmissionPolicy
+from .broadcast import UNLIMITED_BPS, PeerInfo, PipelinedSender, StarWithHolds
 from .config import HubConfig
 from .dispatch import DispatchConfig, Dispatcher, PromptGroup, ReplayBuffer
 from .ledger import Ledger
@@ -147,7 +148,13 @@ class Hub:
         self.replay = envelope.ReplayGuard()
         self.refusals: Counter[str] = Counter()
         self.publisher = PolicyPublisher(self.identity, self.model_config, self.artifacts, cfg)
-        self.sender = StarSender(self.publisher)
+        self.sender: Any
+        if cfg.broadcast == "pipelined":
+            self.sender = PipelinedSender(
+                self.publisher, self.identity, hub_upload_MBps=cfg.upload_limit_MBps, node_info=self._peer_info
+            )
+        else:
+            self.sender = StarWithHolds(StarSender(self.publisher), node_info=self._peer_info)
         self._buffer_changed = trio.Event()
         self._prompt_seq = 0
         self.history: list[dict[str, Any]] = []
@@ -218,6 +225,15 @@ class Hub:
         state["history"] = self.history
         state["busy_s"] = self.busy_s
         self.store.save_checkpoint(self.learner.version, state)
+
+    def _peer_info(self, peer: str) -> PeerInfo | None:
+        """Planning input from the node's signed Announce (its hello is only a fallback)."""
+        node = self.nodes.get(peer)
+        if node is None or not node.announce.data_addr:
+            return None
+        a = node.announce
+        up = (a.max_upload_MBps or a.upload_MBps) * 1e6
+        return PeerInfo(a.data_addr, up or UNLIMITED_BPS, a.reachable)
 
     # --- small helpers -------------------------------------------------------------------------
     def _signer_is(self, peer: str, admitted: bool = True) -> Callable[[str, type], bool]:
@@ -754,6 +770,8 @@ class Hub:
                 await nursery.start(server.serve)
                 self._data_server = server
                 self.data_addr = f"{self.cfg.listen_host}:{server.port}"
+                if isinstance(self.sender, PipelinedSender):
+                    self.sender.data_addr = self.data_addr
                 # A separate data plane for `echo2 node doctor` bandwidth probes: it runs before
                 # admission, and the policy downlink starts sending at once, so they cannot share.
                 probe_srv = DataPlaneServer(self.identity, handle_probe_connection, host=self.cfg.listen_host, port=0, max_connections=16)

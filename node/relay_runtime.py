@@ -344,7 +344,9 @@ class RelayNode:
             await self._on_manifest(msg, v.raw)
 
     async def _on_manifest(self, m: Manifest, raw: bytes) -> None:
-        if (self.bc is not None and m.version <= self.bc.version) or (self.held and m.version <= self.held.version):
+        if not _is_news(m, self.bc.manifest if self.bc is not None else None) or not _is_news(
+            m, self.held.manifest if self.held is not None else None
+        ):
             return
         packing.verify_manifest_consistency(m)
         await trio.to_thread.run_sync(self.store.save_version, m, raw)
@@ -721,3 +723,11 @@ def main(argv: list[str] | None = None) -> int:
 
 if __name__ == "__main__":
     sys.exit(main())
+
+
+def _is_news(new: Manifest, old: Manifest | None) -> bool:
+    """Newer than ``old``, or the same or an older number with other content: a hub restarted
+    from a checkpoint re-publishes versions, and its word on the current policy wins."""
+    if old is None or new.version > old.version:
+        return True
+    return [c.raw_hash for c in new.chunks] != [c.raw_hash for c in old.chunks]

@@ -30,13 +30,11 @@ from echo2.protocol.messages import (
     Announce,
     Heartbeat,
     HoldsVersion,
-    Manifest,
     Result,
     Task,
     TaskDecline,
     task_hash,
 )
-from echo2.protocol.net import dataplane
 from echo2.protocol.net.control import ANNOUNCE_TOPIC, ControlHost, RemoteError
 from echo2.protocol.wire import (
     ADMISSION,
@@ -47,12 +45,12 @@ from echo2.protocol.wire import (
     RESULT,
     WORK,
     WORK_POLL_S,
-    unpack_chunk_frame,
 )
 
+from .chunkstore import ChunkStore
 from .hardware import probe
 from .tasks import TaskRefused, open_task
-from .versions import Assembly, HeldVersion
+from .versions import HeldVersion
 
 log = logging.getLogger(__name__)
 
@@ -111,6 +109,8 @@ class Node:
         self._started = time.time()
         self._current_task: Task | None = None
         self._admitted = trio.Event()
+        self.store = ChunkStore(cfg.data_dir / "store")
+        self.relay: Any = None
         self._addrs: list[str] = []
         self.measured: dict[str, float] = {"tokens_per_s": 0.0, "rollouts_per_s": 0.0, "upload_MBps": 0.0, "download_MBps": 0.0}
         self.reachable = False
@@ -146,7 +146,7 @@ class Node:
             download_MBps=self.measured["download_MBps"],
             price_usd_per_hour=self.cfg.price_usd_per_hour,
             listen_addrs=list(host.addrs)[:16],
-            data_addr="",
+            data_addr=self.relay.data_addr if self.relay is not None else "",
             reachable=self.reachable,
             versions_held=[self.held.version] if self.held else [],
             max_upload_MBps=self.cfg.max_upload_MBps,
@@ -190,7 +190,7 @@ class Node:
             if decision is None:
                 return 1
             async with trio.open_nursery() as nursery:
-                nursery.start_soon(self._downlink)
+                await nursery.start(self._policy_downlink)
                 nursery.start_soon(self._heartbeat, host)
                 nursery.start_soon(self._worker, host, nursery.cancel_scope)
                 nursery.start_soon(self._watch_signals)
@@ -264,53 +264,37 @@ class Node:
                 backoff = min(backoff * 2, HUB_BACKOFF_CAP_S)
 
     # --- policy versions -------------------------------------------------------------------------
-    async def _downlink(self) -> None:
-        backoff = 0.5
-        while True:
-            try:
-                conn = await dataplane.connect(self._hub_data_addr, self.identity, self.hub_peer, timeout_s=15)
-                backoff = 0.5
-                async with conn:
-                    await self._receive_versions(conn)
-            except (Echo2Error, OSError) as exc:
-                log.warning("policy downlink lost (%s); reconnecting in %.1fs", exc, backoff)
-            # a (re-)admission means the hub will accept us now: reconnect at once
-            admitted = self._admitted
-            with trio.move_on_after(backoff * (0.75 + 0.5 * random.random())):
-                await admitted.wait()
-            backoff = min(backoff * 2, HUB_BACKOFF_CAP_S)
+    async def _policy_downlink(self, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
+        """Policy versions arrive through the relay runtime: chunks from the hub or from parent
+        peers (star or pipelined, as the hub plans), verified against the signed manifest,
+        stored crash-safely, forwarded to this node's children; complete versions get loaded."""
+        from .relay_runtime import RelayConfig, RelayNode
 
-    async def _receive_versions(self, conn: Any) -> None:
-        assembly: Assembly | None = None
-        t_manifest = 0.0
-        while True:
-            frame = await conn.receive()
-            if frame.type == dataplane.FrameType.MESSAGE:
-                try:
-                    v = envelope.open_envelope(bytes(frame.payload), Manifest, replay=None, allowed=self._hub_only)
-                    if self.held is not None and not _is_news(v.message, self.held.manifest):
-                        assembly = None
-                        continue
-                    assembly = Assembly(v.message, self.held)
-                    t_manifest = time.monotonic()
-                except Echo2Error as exc:
-                    log.warning("refused manifest from hub: %s", exc)
-                    assembly = None
-            elif frame.type == dataplane.FrameType.CHUNK:
-                if assembly is None:
-                    continue
-                try:
-                    cf = unpack_chunk_frame(frame.payload)
-                    if cf.version != assembly.version:
-                        continue
-                    done = await trio.to_thread.run_sync(assembly.add, cf.index, cf.encoding, bytes(cf.data))
-                except Echo2Error as exc:
-                    log.warning("refused chunk of version %d: %s", assembly.version, exc)
-                    continue
-                if done:
-                    held = assembly.finish()
-                    assembly = None
-                    await self._load(held, time.monotonic() - t_manifest)
+        relay = RelayNode(
+            self.identity,
+            self.store,
+            self.hub_peer,
+            self._hub_data_addr,
+            RelayConfig(upload_MBps=self.cfg.max_upload_MBps),
+            host=self.cfg.listen_host,
+            on_holds=self._on_relay_holds,
+            on_evidence=self._on_evidence,
+        )
+        self.relay = relay
+        await trio.lowlevel.checkpoint()
+        async with trio.open_nursery() as nursery:
+            await nursery.start(relay.run)
+            task_status.started()
+
+    async def _on_relay_holds(self, info: Any) -> None:
+        try:
+            raw = await trio.to_thread.run_sync(self.store.load_raw_chunks, info.manifest)
+            await self._load(HeldVersion(info.manifest, raw), info.seconds)
+        except Echo2Error as exc:
+            log.warning("version %d could not be loaded: %s", info.version, exc)
+
+    def _on_evidence(self, version: int, evidence: Any) -> None:
+        log.warning("version %d: peer %s sent a corrupt chunk %d (routed around)", version, evidence.peer, evidence.index)
 
     async def _load(self, held: HeldVersion, receive_s: float) -> None:
         m = held.manifest
@@ -475,14 +459,6 @@ class Node:
         except (Echo2Error, OSError) as exc:
             log.warning("result of task %s not delivered: %s", task.task_id, exc)
         self._write_state()
-
-
-def _is_news(new: Manifest, held: Manifest) -> bool:
-    """A newer version, or the same/older number with other content: the hub rolled back to a
-    checkpoint after a restart, and its word on the current policy wins."""
-    if new.version > held.version:
-        return True
-    return [c.raw_hash for c in new.chunks] != [c.raw_hash for c in held.chunks]
 
 
 def run_node(cfg: NodeConfig) -> int:

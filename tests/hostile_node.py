@@ -107,6 +107,9 @@ class HostileNode(Node):
     def __init__(self, cfg: NodeConfig, mode: str) -> None:
         super().__init__(cfg)
         self.mode = mode
+        if mode == "stall" and not hasattr(Node, "_receive_versions"):
+            # the relay runtime replaced the star downlink: stalling needs a hook there
+            raise SystemExit("stall mode needs Node._receive_versions (star downlink); see the e2e report")
         self.report: dict[str, Any] = {"mode": mode, "peer_id": self.peer_id, "actions": []}
         self._own_tasks: dict[str, Task] = {}
         self._forged = False
@@ -120,8 +123,9 @@ class HostileNode(Node):
 
     async def _admit(self, host: ControlHost) -> Any:
         # run() builds the engine just before the first admission: wrap it here (once)
-        if self._engine is not None and not isinstance(self._engine, _Engine):
-            self._engine = _Engine(self._engine, self)
+        engine: Any = getattr(self, "_engine", None)
+        if engine is not None and not isinstance(engine, _Engine):
+            self._engine = _Engine(engine, self)
         return await super()._admit(host)
 
     async def _receive_versions(self, conn: Any) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import time
+from functools import partial
 from pathlib import Path
 
 import pytest
@@ -89,7 +90,8 @@ def test_stalled_link_and_slow_node(tmp_path: Path) -> None:
         assert stall_report.get("stalled_at_version") == 0
         assert by_peer[stalled]["held_version"] == 0
         for i in range(2):
-            wait_until(lambda i=i: _node_version(tmp_path / f"node{i}") == steps, 20,
+            node_dir = tmp_path / f"node{i}"
+            wait_until(partial(_has_version, node_dir, steps), 20,
                        f"honest node{i} loads the final version despite the stalled peer")
         assert all(by_peer[p]["tasks_done"] > 0 for p in honest)
         # no node misbehaved provably: nobody is banned
@@ -103,9 +105,8 @@ def test_stalled_link_and_slow_node(tmp_path: Path) -> None:
         assert len(stalls) <= 1, f"the learner stalled {len(stalls)} times on the slow node: {stalls} (busy {busy:.3f})"
 
 
-def _node_version(node_dir: Path) -> int | None:
+def _has_version(node_dir: Path, version: int) -> bool:
     try:
-        v = json.loads((node_dir / "node.state.json").read_text()).get("version")
+        return bool(json.loads((node_dir / "node.state.json").read_text()).get("version") == version)
     except (OSError, ValueError):
-        return None
-    return int(v) if v is not None else None
+        return False

@@ -101,6 +101,7 @@ def test_forged_and_replayed_results_are_refused(tmp_path: Path) -> None:
         assert all(node != bad for node, acc in stolen if acc), stolen
         assert st is not None
         refused = st["refused_by_reason"]
+        assert refused.get("control.replay", 0) >= 1, refused  # the network layer's count of the replay
         assert refused.get("duplicate", 0) >= 1 and refused.get("unknown_task", 0) >= 1 and refused.get("banned", 0) >= 1
         wait_until(lambda: query(tmp_path, "SELECT 1 FROM admissions WHERE peer_id = ? AND admitted = 0 AND code = 'banned'",
                                  (bad,)), 30, "re-admission of the banned node refused")
