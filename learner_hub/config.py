@@ -49,6 +49,7 @@ class HubConfig:
     staleness: int = 1
     task_deadline_s: float = 30.0
     task_target_s: float = 2.0
+    node_silence_s: float = 0.0
     # dissemination
     chunk_bytes: int = 0
     broadcast: str = "star"
@@ -131,6 +132,7 @@ seed = {seed}
 staleness = {staleness}              # S: rollouts made with version v are trained on at steps v..v+S
 task_deadline_s = {task_deadline_s}      # a task not answered by then is reassigned
 task_target_s = {task_target_s}         # tasks are sized to take about this long on their node
+node_silence_s = {node_silence_s}        # drop a node silent this long (0 = default, 30 s)
 
 chunk_bytes = {chunk_bytes}            # 0 = packing default
 broadcast = {broadcast!r}      # pipelined (peer-assisted relay trees) | star (hub sends to every node)

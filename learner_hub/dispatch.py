@@ -32,7 +32,7 @@ import logging
 import math
 import secrets
 from collections import OrderedDict, deque
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Generic, TypeVar
@@ -339,8 +339,19 @@ class Dispatcher:
         late = [t for t in reversed(self.in_flight.values()) if now > t.deadline]
         for t in late:
             self.stats.expired += 1
+            st = self.nodes.get(t.node_id)
+            if st is not None:
+                # it could not do n rollouts in (now - issued) seconds: its rate is at most that
+                observed = t.n_rollouts / max(now - t.issued_at, 1e-9)
+                st.rate = max(self.config.min_rate, min(st.rate, observed))
             self._close(t, VerdictCode.REASSIGNED, requeue=True)
         return [t.task_id for t in late]
+
+    def seed_rate(self, node_id: str, rate: float) -> None:
+        """Use a node's own measured rate until the hub has timed one of its tasks."""
+        st = self.nodes.get(node_id)
+        if st is not None and st.completed_tasks == 0 and rate > 0:
+            st.rate = max(self.config.min_rate, rate)
 
     def _close(self, task: TaskAssignment, later: VerdictCode, *, requeue: bool) -> None:
         del self.in_flight[task.task_id]
@@ -415,6 +426,16 @@ class ReplayBuffer(Generic[T]):
             heapq.heappop(self._heap)
             self.stats.refuse("evicted")
         return True
+
+    def remove_if(self, pred: Callable[[T], bool]) -> int:
+        """Drop buffered items matching ``pred`` (e.g. rollouts of a node just banned)."""
+        keep = [e for e in self._heap if not pred(e[2])]
+        n = len(self._heap) - len(keep)
+        if n:
+            self._heap = keep
+            heapq.heapify(self._heap)
+            self.stats.refuse("removed", n)
+        return n
 
     def drop_stale(self, learner_step: int) -> int:
         n = 0

@@ -267,7 +267,11 @@ class Hub:
 
     # --- prompts ---------------------------------------------------------------------------------
     def _outstanding_groups(self) -> int:
-        in_flight = sum(len(t.groups) for t in self.dispatcher.in_flight.values())
+        now = time.time()
+        # a task long past its expected time is probably lost: don't let it block the refill
+        in_flight = sum(
+            len(t.groups) for t in self.dispatcher.in_flight.values() if now <= t.issued_at + 2 * t.expected_s + 1.0
+        )
         return len(self.dispatcher.queue) + in_flight + len(self.buffer)
 
     def _refill(self) -> None:
@@ -317,6 +321,7 @@ class Hub:
                 deadline=a.deadline,
             )
             self.task_hashes[a.task_id] = task_hash(task)
+            self.store.record_task(a.task_id, a.node_id, now, a.deadline, a.n_rollouts)
             # within the node's replay window (600 s), however long the deadline
             ttl = min(540.0, max(60.0, a.deadline - now + 60.0))
             node.mailbox.append(envelope.seal(self.identity, task, ttl_s=ttl))
@@ -348,6 +353,7 @@ class Hub:
             self.store.upsert_node(peer, now, announce=req.announce.to_wire(), price=req.announce.price_usd_per_hour, state="active")
             self.ledger.activate(peer, now, req.announce.price_usd_per_hour)
             self.dispatcher.add_node(peer, rate=max(req.announce.rollouts_per_s, 1.0))
+            self.dispatcher.seed_rate(peer, req.announce.rollouts_per_s)
         decision = AdmissionDecision(
             peer_id=peer,
             admitted=admitted,
@@ -430,6 +436,8 @@ class Hub:
         self.dispatcher.on_node_left(peer)
         self.ledger.deactivate(peer, now)
         self.nodes.pop(peer, None)
+        # its rollouts still waiting in the buffer are not trained on
+        self.buffer.remove_if(lambda item: any(smp.node_id == peer for smp in item[1].samples))
         self._pump()
 
     def _check_completions(self, task: Any, r: Result) -> None:
@@ -505,6 +513,7 @@ class Hub:
         node = self.nodes.get(v.signer)
         if node is not None and v.message.peer_id == v.signer:
             node.announce = v.message
+            self.dispatcher.seed_rate(v.signer, v.message.rollouts_per_s)
 
     # --- loops -----------------------------------------------------------------------------------
     async def learner_loop(self) -> None:
@@ -658,10 +667,15 @@ class Hub:
         while True:
             await trio.sleep(1.0)
             now = time.time()
+            expired = [(tid, t.node_id) for tid, t in self.dispatcher.in_flight.items() if now > t.deadline]
             if self.dispatcher.expire(now):
+                for tid, peer in expired:
+                    self.reputation.record(peer, Event.TIMEOUT)
+                    self.store.close_task(tid, "expired", now)
+                self._refill()
                 self._pump()
             for peer, node in list(self.nodes.items()):
-                if now - node.last_seen > NODE_SILENCE_S:
+                if now - node.last_seen > (self.cfg.node_silence_s or NODE_SILENCE_S):
                     log.warning("node %s silent for %.0fs: dropping it; its tasks are reassigned", peer, now - node.last_seen)
                     self.dispatcher.on_node_left(peer)
                     self.ledger.deactivate(peer, now)

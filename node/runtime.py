@@ -49,6 +49,7 @@ from echo2.protocol.wire import (
 
 from .chunkstore import ChunkStore
 from .hardware import probe
+from .relay_runtime import RelayConfig, RelayNode
 from .tasks import TaskRefused, open_task
 from .versions import HeldVersion
 
@@ -92,6 +93,8 @@ def hub_peer_id(multiaddr: str) -> str:
 
 
 class Node:
+    # the policy downlink; a subclass (e.g. a test's hostile node) may swap it
+    relay_cls: type[RelayNode] = RelayNode
     def __init__(self, cfg: NodeConfig) -> None:
         self.cfg = cfg
         cfg.data_dir.mkdir(parents=True, exist_ok=True)
@@ -268,9 +271,7 @@ class Node:
         """Policy versions arrive through the relay runtime: chunks from the hub or from parent
         peers (star or pipelined, as the hub plans), verified against the signed manifest,
         stored crash-safely, forwarded to this node's children; complete versions get loaded."""
-        from .relay_runtime import RelayConfig, RelayNode
-
-        relay = RelayNode(
+        relay = self.relay_cls(
             self.identity,
             self.store,
             self.hub_peer,

@@ -40,6 +40,7 @@ import trio
 
 from echo2.bench.swarm import LocalSwarm, _child_env
 from echo2.learner_hub.config import HubConfig
+from echo2.node.relay_runtime import RelayNode
 from echo2.node.runtime import Node, NodeConfig
 from echo2.protocol import envelope
 from echo2.protocol.errors import Echo2Error
@@ -103,13 +104,29 @@ class _RecordingHost:
         return resp
 
 
+class StallingRelay(RelayNode):
+    """A policy downlink that stops reading the hub once it holds a first version: a peer that
+    stops reading, so the hub's sends to it block (the link stalls)."""
+
+    async def _receive_loop(self, link: Any) -> None:
+        if link.peer != self.hub_peer:
+            await super()._receive_loop(link)
+            return
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(super()._receive_loop, link)
+            while self.held is None:
+                await trio.sleep(0.05)
+            nursery.cancel_scope.cancel()
+        log.warning("stalling: holding the policy downlink open without reading it")
+        await trio.sleep_forever()
+
+
 class HostileNode(Node):
     def __init__(self, cfg: NodeConfig, mode: str) -> None:
         super().__init__(cfg)
         self.mode = mode
-        if mode == "stall" and not hasattr(Node, "_receive_versions"):
-            # the relay runtime replaced the star downlink: stalling needs a hook there
-            raise SystemExit("stall mode needs Node._receive_versions (star downlink); see the e2e report")
+        if mode == "stall":
+            self.relay_cls = StallingRelay
         self.report: dict[str, Any] = {"mode": mode, "peer_id": self.peer_id, "actions": []}
         self._own_tasks: dict[str, Task] = {}
         self._forged = False
@@ -127,21 +144,6 @@ class HostileNode(Node):
         if engine is not None and not isinstance(engine, _Engine):
             self._engine = _Engine(engine, self)
         return await super()._admit(host)
-
-    async def _receive_versions(self, conn: Any) -> None:
-        if self.mode != "stall":
-            await super()._receive_versions(conn)
-            return
-        if self.held is None:
-            async with trio.open_nursery() as nursery:
-                nursery.start_soon(super()._receive_versions, conn)
-                while self.held is None:
-                    await trio.sleep(0.05)
-                nursery.cancel_scope.cancel()
-        log.warning("stalling: holding the policy downlink open without reading it")
-        self.report["stalled_at_version"] = self.held.version if self.held else None
-        self._write_report()
-        await trio.sleep_forever()
 
     async def _run_task(self, host: ControlHost, task: Task) -> None:
         self._own_tasks[task.task_id] = task
