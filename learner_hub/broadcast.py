@@ -275,7 +275,7 @@ class PipelinedSender(_HubSide):
             link.tx.send_nowait(("msg", pub.manifest_envelope))
         self._act(self.cur, relay.start(now=trio.current_time()))
 
-    def _repair(self, left: Sequence[str] = (), joined: Sequence[NodeInfo] = ()) -> None:
+    def _repair(self, left: Sequence[str] = (), joined: Sequence[NodeInfo] = (), *, joiner: _Link | None = None) -> None:
         cur = self.cur
         if cur is None:
             return
@@ -285,6 +285,10 @@ class PipelinedSender(_HubSide):
         log.info("broadcast v%d repaired: -%s +%s", cur.pub.version, list(left), [j.node_id for j in joined])
         for link in self.links.values():
             link.tx.send_nowait(("msg", cur.plan_env))
+        if joiner is not None:
+            # The manifest must reach the joiner before the chunks the repair pushes to it: a node
+            # drops chunks of a version it has no manifest for.
+            joiner.tx.send_nowait(("msg", cur.pub.manifest_envelope))
         self._act(cur, cur.relay.on_plan(cur.plan, now=trio.current_time()))
 
     # --- actions -------------------------------------------------------------------------------
@@ -346,11 +350,11 @@ class PipelinedSender(_HubSide):
             if cur is not None:
                 if peer in cur.plan.reachable or (cur.plan.parent and peer in cur.plan.parent[0]):
                     link.tx.send_nowait(("msg", cur.plan_env))  # a reconnect: same place in the plan
+                    link.tx.send_nowait(("msg", cur.pub.manifest_envelope))
                 else:
                     info = self.info(peer)
                     node = NodeInfo(peer, info.upload_Bps if info else 0.0, bool(info and info.reachable))
-                    self._repair(joined=[node])
-                link.tx.send_nowait(("msg", cur.pub.manifest_envelope))
+                    self._repair(joined=[node], joiner=link)
         elif kind == REQ_STATS:
             self._on_stats(peer, d)
         elif cur is None:

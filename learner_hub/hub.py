@@ -433,7 +433,8 @@ class Hub:
         now = time.time()
         self.store.ban(peer, reason, now)
         self.refusals["banned"] += 1
-        self.dispatcher.on_node_left(peer)
+        for tid in self.dispatcher.on_node_left(peer):
+            self.store.close_task(tid, "reassigned", now)
         self.ledger.deactivate(peer, now)
         self.nodes.pop(peer, None)
         # its rollouts still waiting in the buffer are not trained on
@@ -492,7 +493,8 @@ class Hub:
 
     async def on_decline(self, peer: str, data: bytes) -> bytes:
         v = envelope.open_envelope(data, TaskDecline, replay=self.replay, allowed=self._signer_is(peer))
-        self.dispatcher.on_decline(v.message.task_id, peer, v.message.reason)
+        if self.dispatcher.on_decline(v.message.task_id, peer, v.message.reason):
+            self.store.close_task(v.message.task_id, f"declined:{v.message.reason_code}", time.time())
         self._pump()
         return envelope.seal(self.identity, ErrorReply(code="ok", message="noted"))
 
@@ -677,7 +679,8 @@ class Hub:
             for peer, node in list(self.nodes.items()):
                 if now - node.last_seen > (self.cfg.node_silence_s or NODE_SILENCE_S):
                     log.warning("node %s silent for %.0fs: dropping it; its tasks are reassigned", peer, now - node.last_seen)
-                    self.dispatcher.on_node_left(peer)
+                    for tid in self.dispatcher.on_node_left(peer):
+                        self.store.close_task(tid, "reassigned", now)
                     self.ledger.deactivate(peer, now)
                     self.store.set_node_state(peer, "gone")
                     self._fleet_changed_pending = True

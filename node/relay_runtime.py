@@ -64,6 +64,10 @@ from .chunkstore import ChunkStore
 log = logging.getLogger(__name__)
 
 MAX_REQUEST_PAYLOAD = 1024 * 1024
+# Chunks of a version whose manifest has not come yet (a parent forwards as soon as it verified,
+# and its manifest may overtake ours): kept up to this many bytes, replayed when the manifest comes.
+MAX_EARLY_BYTES = 64 * 1024 * 1024
+MAX_EARLY_VERSIONS = 4
 
 # --- REQUEST frame payloads (the hub's echo2.learner_hub.broadcast mirrors these) ----------------
 REQ_HELLO = "hello"
@@ -222,6 +226,8 @@ class RelayNode:
         self._dialing: dict[str, trio.Event] = {}
         self._pending: dict[str, list[tuple[int, int]]] = {}
         self._early_have: dict[str, ChunkHave] = {}
+        self._early_chunks: dict[int, list[tuple[str, bytes]]] = {}
+        self._early_bytes = 0
         self._plans: dict[int, WirePlan] = {}
         self.bc: _Broadcast | None = None
         self.held: HeldInfo | None = None
@@ -365,22 +371,50 @@ class RelayNode:
         for peer, h in list(self._early_have.items()):
             if h.version == m.version:
                 relay.on_have(peer, h.have, now=now)
-        self._early_have.clear()
+        self._early_have = {p: h for p, h in self._early_have.items() if h.version > m.version}
+        for peer, items in list(self._pending.items()):
+            self._pending[peer] = [it for it in items if it[0] >= m.version]
         self._act(b, relay.start(now=now))
         self._dial_parents(b)
+        await self._replay_early(b)
         await self._send_have_all()
         if not missing:
             await self._complete(b)
+
+    def _buffer_early(self, peer: str, version: int, payload: bytes) -> None:
+        if version not in self._early_chunks and len(self._early_chunks) >= MAX_EARLY_VERSIONS:
+            return
+        if self._early_bytes + len(payload) > MAX_EARLY_BYTES:
+            return  # the relay's pull path fetches it once the manifest is here
+        self._early_chunks.setdefault(version, []).append((peer, payload))
+        self._early_bytes += len(payload)
+
+    async def _replay_early(self, b: _Broadcast) -> None:
+        mine = self._early_chunks.pop(b.version, [])
+        for v in [v for v in self._early_chunks if v < b.version]:
+            del self._early_chunks[v]
+        self._early_bytes = sum(len(p) for items in self._early_chunks.values() for _, p in items)
+        for peer, payload in mine:
+            if self.bc is not b:
+                return
+            try:
+                await self._on_chunk(peer, payload)
+            except Echo2Error as exc:
+                log.warning("refused early chunk from %s: %s", peer, exc)
 
     def _dial_parents(self, b: _Broadcast) -> None:
         for p in set(b.relay.parents):
             if p is not None and p not in (self.me, self.hub_peer) and p not in self.links:
                 self._spawn(self._ensure_link, p)
 
-    async def _on_chunk(self, peer: str, payload: bytearray) -> None:
+    async def _on_chunk(self, peer: str, payload: bytes | bytearray) -> None:
         cf = unpack_chunk_frame(payload)
         b = self.bc
-        if b is None or cf.version != b.version:
+        if b is None or cf.version > b.version:
+            if self.held is None or cf.version > self.held.version:
+                self._buffer_early(peer, cf.version, bytes(payload))
+            return
+        if cf.version != b.version:
             return
         i = cf.index
         if not 0 <= i < len(b.manifest.chunks):

@@ -10,7 +10,8 @@ Rules:
 - cut-through: chunk ``i`` is queued for each child of stripe ``i % S`` the moment it is verified
   (never before: a relay forwards only verified bytes), in verification order; at most ``window``
   chunks are outstanding per child so that a slow child does not pile data into the transport;
-- a child that advertised a chunk (ChunkHave) or acknowledged it is never sent it (again);
+- a child that advertised a chunk (ChunkHave) or acknowledged it is never pushed it (again); an
+  explicit request for a chunk it has not advertised is served even so (the push was lost);
 - a stripe whose parent has made no progress for ``stall_timeout_s`` while chunks of that stripe
   are missing is pulled: each missing chunk is requested from a peer that advertised it (the one
   advertising most of them, to keep requests few), else from the hub; a request that is not
@@ -270,9 +271,14 @@ class Relay:
         if now is not None:
             self._now = now
         actions: list[Action] = []
+        done = self._done.get(peer)
         for i in indices:
             if not 0 <= i < self.n:
                 continue
+            if done is not None and i not in self.peer_have.get(peer, ()):
+                # Asking for it says it lacks it: a push we counted as delivered was lost (the
+                # connection broke after the write, or it came before the peer knew the version).
+                done.discard(i)
             if i in self.have:
                 self._serve(peer, i, actions)
             else:

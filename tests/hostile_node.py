@@ -145,6 +145,12 @@ class HostileNode(Node):
             self._engine = _Engine(engine, self)
         return await super()._admit(host)
 
+    async def _on_relay_holds(self, info: Any) -> None:
+        if self.mode == "stall" and "stalled_at_version" not in self.report:
+            self.report["stalled_at_version"] = info.version  # StallingRelay stops reading after it
+            self._write_report()
+        await super()._on_relay_holds(info)
+
     async def _run_task(self, host: ControlHost, task: Task) -> None:
         self._own_tasks[task.task_id] = task
         # instrumentation only (every mode): lets a test SIGKILL the node while it holds a task

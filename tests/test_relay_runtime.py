@@ -44,8 +44,14 @@ class Swarm:
         self.scopes: list[trio.CancelScope] = []
 
     async def start(self, nursery: trio.Nursery) -> None:
+        await self.start_hub(nursery)
+        await self.add_nodes(nursery)
+
+    async def start_hub(self, nursery: trio.Nursery) -> None:
         await nursery.start(self.server.serve)
         self.sender.data_addr = self.server.addr
+
+    async def add_nodes(self, nursery: trio.Nursery) -> None:
         for i in range(self.n):
             ident = Identity.generate()
             cfg = RelayConfig(upload_MBps=self.up[i], stall_timeout_s=1.0, request_timeout_s=2.0,
@@ -156,3 +162,31 @@ def test_killed_relay_and_corrupting_relay_are_routed_around(tmp_path: Path) -> 
     assert out["evidence"], "children of the corrupting relay must report it"
     assert {e.peer for e in out["evidence"]} == {out["ids"][0]}
     assert out["metrics"]["replans"] >= 1  # the hub repaired the plan when node 1 left
+
+
+def test_nodes_joining_after_publication_get_it_and_back_to_back_versions_flow(tmp_path: Path) -> None:
+    """The live swarm's order: the hub publishes before any node is connected, nodes join after,
+    and then versions come faster than a broadcast lasts (each supersedes the unfinished one)."""
+    sds = [_state(600_000, 100 + v) for v in range(6)]
+
+    async def main() -> None:
+        with trio.fail_after(60):
+            sw = Swarm(tmp_path, 3, chunk=256 * 1024, up_MBps=50.0)
+            async with trio.open_nursery() as nursery:
+                await sw.start_hub(nursery)
+                await sw.publish(0, sds[0])  # nobody connected: a plan of 0 nodes
+                cur = sw.sender.cur
+                assert cur is not None and cur.plan.nodes == []
+                await sw.add_nodes(nursery)
+                await sw.wait_holds(0, sw.nodes)
+                for nd in sw.nodes:
+                    _check_loaded(nd, sds[0])
+                for v in range(1, 6):  # back to back, without waiting for any of them
+                    await sw.publish(v, sds[v])
+                    await trio.sleep(0.02)
+                await sw.wait_holds(5, sw.nodes)
+                for nd in sw.nodes:
+                    _check_loaded(nd, sds[5])
+                nursery.cancel_scope.cancel()
+
+    trio.run(main)
