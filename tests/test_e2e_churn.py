@@ -16,6 +16,7 @@ SILENCE_S = 6.0  # the hub's node_silence_s for this test (default 30 s)
 
 
 @pytest.mark.slow
+@pytest.mark.ci
 @pytest.mark.e2e
 @pytest.mark.timeout(180)
 def test_sigkill_a_third_and_replace(tmp_path: Path) -> None:

@@ -27,6 +27,7 @@ from echo2.bench.swarm import LocalSwarm
 
 
 @pytest.mark.slow
+@pytest.mark.ci
 @pytest.mark.e2e
 @pytest.mark.timeout(180)
 def test_wrong_logprobs_node_is_banned(tmp_path: Path) -> None:
@@ -60,6 +61,7 @@ def test_wrong_logprobs_node_is_banned(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.ci
 @pytest.mark.e2e
 @pytest.mark.timeout(180)
 def test_forged_and_replayed_results_are_refused(tmp_path: Path) -> None:
