@@ -53,6 +53,8 @@ class HubConfig:
     # dissemination
     chunk_bytes: int = 0
     broadcast: str = "star"
+    activation: str = "cost"
+    activation_margin: float = 1.25
     full_every: int = 10
     exit_when_done: bool = False
     checkpoint_every: int = 10
@@ -65,6 +67,8 @@ class HubConfig:
         return Path(self.dir)
 
     def validate(self) -> None:
+        if self.activation not in ("cost", "all"):
+            raise ConfigError(f"activation must be cost or all, not {self.activation!r}")
         if self.broadcast not in ("pipelined", "star"):
             raise ConfigError(f"broadcast must be pipelined or star, not {self.broadcast!r}")
         if self.admission not in ("open", "allowlist", "token"):
@@ -135,6 +139,8 @@ task_target_s = {task_target_s}         # tasks are sized to take about this lon
 node_silence_s = {node_silence_s}        # drop a node silent this long (0 = default, 30 s)
 
 chunk_bytes = {chunk_bytes}            # 0 = packing default
+activation = {activation!r}          # cost: free nodes + cheapest cover of R* among paid ones | all
+activation_margin = {activation_margin}    # R* = margin * B / T_train
 broadcast = {broadcast!r}      # pipelined (peer-assisted relay trees) | star (hub sends to every node)
 full_every = {full_every}             # a full snapshot every K versions bounds delta chains
 exit_when_done = {exit_when_done}   # stop the hub after `steps`

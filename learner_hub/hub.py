@@ -166,6 +166,9 @@ class Hub:
         self.training = False
         self._fleet_changed_pending = False
         self.finished = False
+        self.active: set[str] | None = None  # None: no activation decision yet, everyone works
+        self._active_paid: set[str] = set()
+        self.last_activation: dict[str, Any] = {}
         self._host: Any = None
         self._data_server: Any = None
         self._probe_server: Any = None
@@ -301,7 +304,9 @@ class Hub:
         now = time.time()
         t = self.consume_step()
         min_v = max(0, t - self.cfg.staleness)
-        self.dispatcher.set_active(p for p, n in self.nodes.items() if n.held_version >= min_v)
+        self.dispatcher.set_active(
+            p for p, n in self.nodes.items() if n.held_version >= min_v and (self.active is None or p in self.active)
+        )
         for a in self.dispatcher.next_tasks(now, t):
             node = self.nodes.get(a.node_id)
             if node is None:
@@ -350,10 +355,10 @@ class Hub:
                 self._fleet_changed_pending = True
             else:
                 node.announce, node.last_seen = req.announce, now
-            self.store.upsert_node(peer, now, announce=req.announce.to_wire(), price=req.announce.price_usd_per_hour, state="active")
-            self.ledger.activate(peer, now, req.announce.price_usd_per_hour)
+            self.store.upsert_node(peer, now, announce=req.announce.to_wire(), price=req.announce.price_usd_per_hour, state="standby")
             self.dispatcher.add_node(peer, rate=max(req.announce.rollouts_per_s, 1.0))
             self.dispatcher.seed_rate(peer, req.announce.rollouts_per_s)
+            self.activate()
         decision = AdmissionDecision(
             peer_id=peer,
             admitted=admitted,
@@ -514,6 +519,8 @@ class Hub:
         v = envelope.open_envelope(data, Announce, replay=self.gossip_replay, allowed=lambda s, _t: s in self.nodes)
         node = self.nodes.get(v.signer)
         if node is not None and v.message.peer_id == v.signer:
+            if v.message.price_usd_per_hour != node.announce.price_usd_per_hour:
+                self.ledger.set_price(v.signer, v.message.price_usd_per_hour, time.time())
             node.announce = v.message
             self.dispatcher.seed_rate(v.signer, v.message.rollouts_per_s)
 
@@ -580,6 +587,49 @@ class Hub:
                 self._punish(peer, Event.MISMATCH, f"max |Δlogprob| {diff:.3g} > {self.cfg.logprob_tolerance:g}")
             else:
                 self.reputation.record(peer, Event.CHECK_OK)
+
+    # --- cost-aware activation (BRIEF §6) ----------------------------------------------------------
+    def activate(self) -> None:
+        """Pick the nodes that get tasks: every free node, plus the cheapest cover of the rest of
+        R* = margin·B/T_train among paid ones (hub-measured rates, announced prices), keeping the
+        current paid set unless the new optimum is clearly cheaper (hysteresis)."""
+        from .activation import NodeOffer, reselect
+
+        if self.cfg.activation == "all" or not self.history or not self.nodes:
+            new = set(self.nodes)
+        else:
+            need = self.cfg.activation_margin * self.batch_groups * self.cfg.group_size / max(self.t_train(), 1e-6)
+            offers = [
+                NodeOffer(p, float(n.announce.price_usd_per_hour), self.dispatcher.rate_of(p))
+                for p, n in self.nodes.items()
+                if p in self.dispatcher.nodes
+            ]
+            free = {o.node_id for o in offers if o.price == 0}
+            rest = need - sum(o.rate for o in offers if o.node_id in free)
+            paid = [o for o in offers if o.price > 0]
+            chosen: set[str] = set()
+            if rest > 0 and paid:
+                act = reselect(self._active_paid, paid, rest, min_gain=0.05)
+                chosen = set(act.selected)
+                self.last_activation = {
+                    "required_rate": need, "method": act.method, "cost_usd_per_hour": act.cost,
+                    "shortfall": act.shortfall, "ms": round(act.elapsed_ms, 3),
+                }
+            self._active_paid = chosen
+            new = free | chosen
+        now = time.time()
+        old = self.active if self.active is not None else set()
+        for p in new - old:
+            node = self.nodes.get(p)
+            self.ledger.activate(p, now, node.announce.price_usd_per_hour if node else None)
+            self.store.set_node_state(p, "active")
+        for p in old - new:
+            self.ledger.deactivate(p, now)
+            if p in self.nodes:
+                self.store.set_node_state(p, "standby")
+        if new != old and self.active is not None:
+            log.info("activation: %d active, %d standby %s", len(new), len(self.nodes) - len(new), self.last_activation)
+        self.active = new
 
     # --- capacity model (BRIEF §5) ----------------------------------------------------------------
     def step_overhead(self) -> float:
@@ -666,9 +716,13 @@ class Hub:
         self.sender.notify()
 
     async def housekeeping(self) -> None:
+        tick = 0
         while True:
             await trio.sleep(1.0)
+            tick += 1
             now = time.time()
+            if tick % 5 == 0:
+                self.activate()
             expired = [(tid, t.node_id) for tid, t in self.dispatcher.in_flight.items() if now > t.deadline]
             if self.dispatcher.expire(now):
                 for tid, peer in expired:
@@ -724,7 +778,7 @@ class Hub:
                     "refused": n.refused,
                     "price_usd_per_hour": n.announce.price_usd_per_hour,
                     "reputation": round(self.reputation.score(n.peer_id), 4),
-                    "state": "active",
+                    "state": "active" if self.active is None or n.peer_id in self.active else "standby",
                     "cost_usd": _cost(self.ledger.row(n.peer_id, time.time())),
                 }
                 for n in self.nodes.values()
@@ -734,6 +788,7 @@ class Hub:
             "resumed_from": self.resumed_from,
             "restored_results": self.restored_results,
             "ledger": self.ledger.totals(time.time()).as_dict(),
+            "activation": self.last_activation,
         }
 
     def _edge_refusals(self) -> Counter[str]:
