@@ -166,6 +166,8 @@ class Hub:
         self.training = False
         self._fleet_changed_pending = False
         self.finished = False
+        self._scratch: Any = None  # a model copy for spot-checks against parent versions
+        self.spot_checks = 0
         self.active: set[str] | None = None  # None: no activation decision yet, everyone works
         self._active_paid: set[str] = set()
         self.last_activation: dict[str, Any] = {}
@@ -544,6 +546,7 @@ class Hub:
             self._refill()
             self._pump()
             try:
+                v_before = self.learner.version
                 stats = await trio.to_thread.run_sync(self.learner.step, [g for _, (_, g) in batch])
             finally:
                 self.training = False
@@ -567,7 +570,8 @@ class Hub:
                 "step %d reward %.3f loss %.4f staleness %.2f busy %.2f",
                 self.learner.version, stats.reward_mean, stats.loss, stats.staleness_mean, self.busy_fraction(),
             )
-            self._verify(stats)
+            spot = await trio.to_thread.run_sync(self._spot_check, [g for _, (_, g) in batch], v_before)
+            self._verify(stats, spot)
             await self.publish()
             self._refill()
             self._pump()
@@ -578,15 +582,50 @@ class Hub:
         self.write_status(final=True)
         self.done.set()
 
-    def _verify(self, stats: Any) -> None:
-        """BRIEF §7: rows made with the learner's own version must match its recomputed log-probs."""
-        for peer, diff in stats.mismatch_by_node.items():
-            if not peer:
+    def _verify(self, stats: Any, spot: dict[str, float]) -> None:
+        """BRIEF §7: node log-probs must match the learner's: rows made with its current version
+        (all of them, checked during the step) and a spot-check of stale rows (``spot``)."""
+        diffs = dict(stats.mismatch_by_node)
+        for peer, d in spot.items():
+            diffs[peer] = max(d, diffs.get(peer, 0.0))
+        for peer, diff in diffs.items():
+            if not peer or peer not in self.nodes:
                 continue
             if diff > self.cfg.logprob_tolerance:
                 self._punish(peer, Event.MISMATCH, f"max |Δlogprob| {diff:.3g} > {self.cfg.logprob_tolerance:g}")
             else:
                 self.reputation.record(peer, Event.CHECK_OK)
+
+    def _spot_check(self, groups: list[Any], current: int) -> dict[str, float]:
+        """Recompute a sample of stale rows (one per node and version) under the published
+        parent version they were made with, kept by the publisher (worker thread)."""
+        from echo2.protocol import packing
+        from echo2.protocol.modelspec import teacher_forced_logprobs
+
+        picked: dict[tuple[str, int], tuple[list[int], Any]] = {}
+        for g in groups:
+            for smp in g.samples:
+                if smp.version < current and smp.node_id and (smp.node_id, smp.version) not in picked and smp.token_ids:
+                    picked[(smp.node_id, smp.version)] = (g.prompt_ids, smp)
+        out: dict[str, float] = {}
+        if not picked:
+            return out
+        if self._scratch is None:
+            self._scratch = copy.deepcopy(self.learner.model).eval().requires_grad_(False)
+        for version in sorted({v for _, v in picked}):
+            pub = self.publisher.recent.get(version)
+            if pub is None:
+                continue
+            sd = packing.assemble(pub.packed.manifest, pub.packed.raw_chunks)
+            self._scratch.load_state_dict({k: t.float() if t.is_floating_point() else t for k, t in sd.items()})
+            for (peer, v), (prompt, smp) in picked.items():
+                if v != version:
+                    continue
+                ref = teacher_forced_logprobs(self._scratch, prompt, smp.token_ids, self.cfg.temperature)
+                diff = max((abs(a - b) for a, b in zip(ref, smp.logprobs, strict=True)), default=0.0)
+                out[peer] = max(out.get(peer, 0.0), diff)
+        self.spot_checks += len(picked)
+        return out
 
     # --- cost-aware activation (BRIEF §6) ----------------------------------------------------------
     def activate(self) -> None:
@@ -789,6 +828,7 @@ class Hub:
             "restored_results": self.restored_results,
             "ledger": self.ledger.totals(time.time()).as_dict(),
             "activation": self.last_activation,
+            "spot_checks": self.spot_checks,
         }
 
     def _edge_refusals(self) -> Counter[str]:

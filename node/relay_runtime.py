@@ -715,6 +715,14 @@ async def _duplex(sending: Awaitable[None], receiving: Awaitable[None]) -> None:
         raise errors[0]
 
 
+def _is_news(new: Manifest, old: Manifest | None) -> bool:
+    """Newer than ``old``, or the same or an older number with other content: a hub restarted
+    from a checkpoint re-publishes versions, and its word on the current policy wins."""
+    if old is None or new.version > old.version:
+        return True
+    return [c.raw_hash for c in new.chunks] != [c.raw_hash for c in old.chunks]
+
+
 # --- process entry point (benches, tests) ---------------------------------------------------------
 
 
@@ -757,11 +765,3 @@ def main(argv: list[str] | None = None) -> int:
 
 if __name__ == "__main__":
     sys.exit(main())
-
-
-def _is_news(new: Manifest, old: Manifest | None) -> bool:
-    """Newer than ``old``, or the same or an older number with other content: a hub restarted
-    from a checkpoint re-publishes versions, and its word on the current policy wins."""
-    if old is None or new.version > old.version:
-        return True
-    return [c.raw_hash for c in new.chunks] != [c.raw_hash for c in old.chunks]

@@ -34,7 +34,7 @@ def wait_for_step(swarm: LocalSwarm, step: int, timeout_s: float) -> dict:
 @pytest.mark.e2e
 @pytest.mark.timeout(400)
 def test_hub_sigkill_and_restart_resumes(tmp_path: Path) -> None:
-    steps = 40
+    steps = 70  # leaves the restarted hub time to see both nodes re-admit and work
     cfg = HubConfig(task="copy", steps=steps, staleness=1, seed=1, exit_when_done=True, checkpoint_every=5,
                     listen_port=free_port(), data_port=free_port())
     with LocalSwarm(tmp_path, cfg, n_nodes=2) as swarm:
