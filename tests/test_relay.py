@@ -154,3 +154,18 @@ def test_bitmap_roundtrip_and_hostile_bitmaps() -> None:
     assert indices_from_bitmap(bm, 100) == idx
     assert indices_from_bitmap(b"\xff" * 1000, 10) == set(range(10))
     assert indices_from_bitmap(b"", 10) == set()
+
+
+def test_request_for_a_pushed_chunk_the_child_does_not_advertise_is_served_again() -> None:
+    """A push counted as delivered can be lost (it came before the child had the manifest, or the
+    connection broke after the write): the child's explicit pull must get it; an advertised chunk not."""
+    r = Relay("me", two_stripe_plan(), HASHES, have=range(N), window=2)
+    assert sends(r.start(now=0.0)) == [("c1", 0), ("c1", 2), ("c2", 0), ("c2", 2)]
+    for i in (0, 2, 4, 6):
+        r.on_child_ack("c1", i)
+    assert sends(r.on_request("c1", [0], now=1.0)) == [("c1", 0)]
+    r.on_have("c2", bitmap_from_indices([0], N))
+    for i in (0, 2, 4, 6):
+        r.on_child_ack("c2", i)
+    assert sends(r.on_request("c2", [0], now=1.0)) == []  # it says it holds it
+    assert sends(r.on_request("c2", [2], now=1.0)) == [("c2", 2)]
