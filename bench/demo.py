@@ -18,7 +18,7 @@ def register(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--task", default="copy", choices=["copy", "reverse", "arith"])
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--link-MBps", type=float, default=0.0, help="emulated hub upload limit (0 = none)")
-    parser.add_argument("--broadcast", default="pipelined", choices=["star", "pipelined"], help="how versions reach nodes")
+    parser.add_argument("--broadcast", default="star", choices=["star", "pipelined"], help="how versions reach nodes")
     parser.add_argument("--dir", type=Path, default=None, help="keep the swarm's files here (default: a temp dir)")
     parser.add_argument("--timeout", type=float, default=900.0, help="give up after this many seconds")
     parser.add_argument("--json", type=Path, default=None, help="write the report here")

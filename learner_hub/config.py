@@ -52,7 +52,7 @@ class HubConfig:
     node_silence_s: float = 0.0
     # dissemination
     chunk_bytes: int = 0
-    broadcast: str = "pipelined"
+    broadcast: str = "star"
     activation: str = "cost"
     activation_margin: float = 1.25
     full_every: int = 10
