@@ -64,11 +64,12 @@ def peer_of_when_ready(node_dir: Path) -> str:
 @pytest.mark.slow
 @pytest.mark.e2e
 @pytest.mark.timeout(180)
-def test_stalled_link_and_slow_node(tmp_path: Path) -> None:
+@pytest.mark.parametrize("broadcast", ["star", "pipelined"])
+def test_stalled_link_and_slow_node(tmp_path: Path, broadcast: str) -> None:
     """A node that stops reading its policy downlink and a node whose every task overruns its
     deadline, beside two honest nodes: deadlines hand the slow node's work to others."""
     steps = 30
-    cfg = small_cfg(steps, task_deadline_s=3.0, seed=7)
+    cfg = small_cfg(steps, task_deadline_s=3.0, seed=7, broadcast=broadcast)
     with LocalSwarm(tmp_path, cfg, n_nodes=2) as swarm:
         swarm.start_hub()
         # first in, so that they are handed the first tasks

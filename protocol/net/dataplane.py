@@ -99,7 +99,7 @@ MiB = 1024 * 1024
 #: piece by piece as bytes arrive.
 _ALLOC_STEP = 8 * MiB
 #: Large single reads: fewer syscalls and trio checkpoints per byte.
-_RECV_MAX = 1 * MiB
+_RECV_MAX = 4 * MiB
 
 
 class FrameType(enum.IntEnum):
