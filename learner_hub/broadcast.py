@@ -15,6 +15,15 @@ the hub (it dials; see :mod:`echo2.node.relay_runtime` for the whole wire protoc
   encodings of delta chunks for nodes without the parent chunk (``full``);
 - repairs the plan when a node's connection ends (leave) or a node connects mid-broadcast (join):
   :func:`~echo2.learner_hub.planner.replan`, re-signed, sent to every node;
+- demotes a relay that makes no progress to a leaf (repair now, and a leaf in later plans): one
+  that sent no ``have`` for the current version within ``progress_timeout_s`` of its plan (every
+  live node announces its holdings as soon as the manifest comes, so silence means it does not
+  read the hub link), or whose children pull its stripe from the hub. Its children would otherwise
+  wait out their stall timer on every version. It is promoted again once it reports holding a
+  version published after its demotion;
+- keeps each connection's send queue bounded: items of superseded versions are dropped when a new
+  version starts, so a peer that stops reading costs the hub neither memory nor other links' time
+  (every link has its own sender task; nothing else awaits a send);
 - records per version: seconds from publication to the first / median / last node holding it
   verified (from the nodes' signed ``HoldsVersion``), bytes sent by the hub, bytes sent by peers
   (their ``stats`` reports; informative, not verified).
@@ -26,9 +35,9 @@ measures both modes the same way.
 from __future__ import annotations
 
 import logging
-import math
 import statistics
 import time
+from collections import deque
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -49,6 +58,7 @@ from .publisher import PolicyPublisher, Published, StarSender
 log = logging.getLogger(__name__)
 
 MAX_REQUEST_PAYLOAD = 1024 * 1024
+STAR_MAX_PENDING_PULLS = 4096
 UNLIMITED_BPS = 1e9  # "no upload limit" as the planner sees it (about loopback speed here)
 # Mirrors echo2.node.relay_runtime (node and learner_hub do not import each other).
 REQ_HELLO = "hello"
@@ -176,11 +186,33 @@ class _HubSide:
 
 
 class _Link:
+    """One node's connection. Its send queue holds ``(kind, version, ...)`` items; those of older
+    versions are pruned when a version starts (``prune``), so it stays bounded even when the peer
+    stops reading: only the newest version's plan, manifest and chunks wait there."""
+
     def __init__(self, conn: DataConnection) -> None:
         self.conn = conn
         self.peer = conn.peer_id
-        self.tx, self.rx = trio.open_memory_channel[tuple[Any, ...]](math.inf)
+        self.queue: deque[tuple[Any, ...]] = deque()
+        self._wake = trio.Event()
         self.inflight: set[tuple[int, int]] = set()
+        self.sending_since: float | None = None  # trio clock when the current send began
+        self.connected_at = trio.current_time()
+        self.manifest_sent: tuple[int, float] = (-1, 0.0)  # (version, trio clock) of the last one written
+
+    def put(self, item: tuple[Any, ...]) -> None:
+        self.queue.append(item)
+        self._wake.set()
+
+    def prune(self, version: int) -> None:
+        if self.queue:
+            self.queue = deque(it for it in self.queue if it[1] >= version)
+
+    async def get(self) -> tuple[Any, ...]:
+        while not self.queue:
+            self._wake = trio.Event()
+            await self._wake.wait()
+        return self.queue.popleft()
 
 
 @dataclass
@@ -211,6 +243,7 @@ class PipelinedSender(_HubSide):
         stripes: int | None = None,
         window: int = 2,
         plan_ttl_s: float = 24 * 3600.0,
+        progress_timeout_s: float = 1.0,
     ) -> None:
         super().__init__(publisher, node_info)
         self.identity = identity
@@ -220,16 +253,21 @@ class PipelinedSender(_HubSide):
         self.stripes = stripes
         self.window = window
         self.plan_ttl_s = plan_ttl_s
+        self.progress_timeout_s = progress_timeout_s
         self.links: dict[str, _Link] = {}
         self.cur: _Current | None = None
         self.bytes_sent = 0
+        # peer -> the version current when it was demoted; a leaf in every plan until it reports
+        # holding a later one
+        self.demoted: dict[str, int] = {}
+        self._started_at = 0.0  # trio clock when the current version's broadcast began
 
     # --- planning ------------------------------------------------------------------------------
     def _node_infos(self) -> list[NodeInfo]:
         out = []
         for peer in sorted(self.links):
             info = self.info(peer)
-            if info is None:
+            if info is None or peer in self.demoted:
                 out.append(NodeInfo(peer, 0.0, False))  # unknown: a leaf everywhere
             else:
                 out.append(NodeInfo(peer, info.upload_Bps, info.reachable and bool(info.data_addr)))
@@ -260,6 +298,8 @@ class PipelinedSender(_HubSide):
         pub = self.publisher.latest
         if pub is None or (self.cur is not None and self.cur.pub.version >= pub.version):
             return
+        # a peer that left and came back starts afresh (and the map stays bounded)
+        self.demoted = {p: v for p, v in self.demoted.items() if p in self.links}
         m = pub.packed.manifest
         plan = plan_broadcast(
             pub.version, self.hub_upload_Bps, self._node_infos(), len(m.chunks), hub=self.hub, stripes=self.stripes
@@ -269,10 +309,12 @@ class PipelinedSender(_HubSide):
         metrics = self._metrics_for(pub)
         metrics.nodes = len(plan.nodes)
         self.cur = _Current(pub, plan, relay, self._plan_message(plan), metrics)
+        self._started_at = trio.current_time()
         log.info("broadcast v%d: %d nodes, %d stripes, depth %d", pub.version, len(plan.nodes), plan.stripes, plan.max_depth())
         for link in self.links.values():
-            link.tx.send_nowait(("msg", self.cur.plan_env))
-            link.tx.send_nowait(("msg", pub.manifest_envelope))
+            link.prune(pub.version)
+            link.put(("msg", pub.version, self.cur.plan_env))
+            link.put(("manifest", pub.version, pub.manifest_envelope))
         self._act(self.cur, relay.start(now=trio.current_time()))
 
     def _repair(self, left: Sequence[str] = (), joined: Sequence[NodeInfo] = (), *, joiner: _Link | None = None) -> None:
@@ -284,12 +326,60 @@ class PipelinedSender(_HubSide):
         cur.metrics.replans += 1
         log.info("broadcast v%d repaired: -%s +%s", cur.pub.version, list(left), [j.node_id for j in joined])
         for link in self.links.values():
-            link.tx.send_nowait(("msg", cur.plan_env))
+            link.put(("msg", cur.pub.version, cur.plan_env))
         if joiner is not None:
             # The manifest must reach the joiner before the chunks the repair pushes to it: a node
             # drops chunks of a version it has no manifest for.
-            joiner.tx.send_nowait(("msg", cur.pub.manifest_envelope))
+            joiner.put(("manifest", cur.pub.version, cur.pub.manifest_envelope))
         self._act(cur, cur.relay.on_plan(cur.plan, now=trio.current_time()))
+
+    # --- relays that make no progress ----------------------------------------------------------
+    def _is_interior(self, cur: _Current, peer: str) -> bool:
+        return any(cur.plan.children[s].get(peer) for s in range(cur.plan.stripes))
+
+    def _demote(self, peer: str, why: str) -> None:
+        cur = self.cur
+        if cur is None or peer in self.demoted:
+            return
+        self.demoted[peer] = cur.pub.version
+        log.warning("broadcast v%d: relay %s makes no progress (%s); a leaf until it holds a newer version",
+                    cur.pub.version, peer, why)
+        if self._is_interior(cur, peer):
+            # Out and back in as a leaf: its children move, with their subtrees, to live parents.
+            self._repair(left=[peer], joined=[NodeInfo(peer, 0.0, False)])
+
+    def _check_progress(self, link: _Link) -> None:
+        """Demote ``link``'s peer if it is a relay in the current plan and shows no sign of reading
+        the current version: no ``have`` for it ``progress_timeout_s`` after its manifest was
+        written (or while a write to it has been blocked that long)."""
+        cur = self.cur
+        peer = link.peer
+        if cur is None or peer in self.demoted or self.links.get(peer) is not link or not self._is_interior(cur, peer):
+            return
+        if peer in cur.relay.peer_have:
+            return
+        now = trio.current_time()
+        t = self.progress_timeout_s
+        if now - max(self._started_at, link.connected_at) < t:
+            return
+        ver, at = link.manifest_sent
+        if ver == cur.pub.version and now - at >= t:
+            self._demote(peer, f"no have {now - at:.1f}s after its manifest")
+        elif link.sending_since is not None and now - link.sending_since >= t:
+            self._demote(peer, f"a send to it blocked for {now - link.sending_since:.1f}s")
+
+    async def _watch(self, link: _Link) -> None:
+        while True:
+            await trio.sleep(self.progress_timeout_s / 4)
+            self._check_progress(link)
+
+    def _on_message(self, peer: str, payload: bytearray) -> None:
+        super()._on_message(peer, payload)
+        since = self.demoted.get(peer)
+        pub = self.publisher.latest
+        if since is not None and pub is not None and pub.version > since and peer in self._metrics_for(pub).holds:
+            del self.demoted[peer]
+            log.info("relay %s holds v%d again: eligible as a relay in the next plan", peer, pub.version)
 
     # --- actions -------------------------------------------------------------------------------
     def _act(self, cur: _Current, actions: list[Any]) -> None:
@@ -297,7 +387,7 @@ class PipelinedSender(_HubSide):
             if isinstance(a, Send):
                 link = self.links.get(a.peer)
                 if link is not None:
-                    link.tx.send_nowait(("chunk", cur.pub.version, a.index))
+                    link.put(("chunk", cur.pub.version, a.index))
                 else:
                     self._act(cur, cur.relay.on_send_failed(a.peer, a.index))
             elif isinstance(a, Request):  # the hub holds everything; never happens
@@ -309,7 +399,17 @@ class PipelinedSender(_HubSide):
         peer = link.peer
         self.links[peer] = link
         try:
-            await _duplex(self._sender(link), self._receive_loop(link))
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(self._watch, link)
+                try:
+                    await _duplex(self._sender(link), self._receive_loop(link))
+                except (Echo2Error, OSError) as exc:
+                    failed: BaseException | None = exc
+                else:
+                    failed = None
+                nursery.cancel_scope.cancel()
+            if failed is not None:
+                raise failed
         finally:
             if self.links.get(peer) is link:
                 del self.links[peer]
@@ -349,8 +449,8 @@ class PipelinedSender(_HubSide):
             self._on_hello(peer, d)
             if cur is not None:
                 if peer in cur.plan.reachable or (cur.plan.parent and peer in cur.plan.parent[0]):
-                    link.tx.send_nowait(("msg", cur.plan_env))  # a reconnect: same place in the plan
-                    link.tx.send_nowait(("msg", cur.pub.manifest_envelope))
+                    link.put(("msg", cur.pub.version, cur.plan_env))  # a reconnect: same place in the plan
+                    link.put(("manifest", cur.pub.version, cur.pub.manifest_envelope))
                 else:
                     info = self.info(peer)
                     node = NodeInfo(peer, info.upload_Bps if info else 0.0, bool(info and info.reachable))
@@ -366,6 +466,14 @@ class PipelinedSender(_HubSide):
         elif kind == REQ_GET:
             r: ChunkRequest = d["m"]
             if r.version == cur.pub.version:
+                # A child pulls from the hub what its parent should have pushed: that parent
+                # stalled (the child waited out its stall timer) or sent it a corrupt chunk.
+                stalled = {
+                    p for i in set(r.indices[:4096])
+                    if 0 <= i < cur.relay.n and (p := cur.plan.parent[cur.plan.stripe_of(i)].get(peer)) not in (None, self.hub, peer)
+                }
+                for p in sorted(stalled):
+                    self._demote(p, f"{peer} pulls its stripe from the hub")
                 self._act(cur, cur.relay.on_request(peer, r.indices, now=now))
         elif kind == REQ_FULL:
             r = d["m"]
@@ -373,13 +481,20 @@ class PipelinedSender(_HubSide):
                 n = len(cur.pub.packed.encoded)
                 for i in sorted(set(r.indices))[:4096]:
                     if 0 <= i < n:
-                        link.tx.send_nowait(("full", r.version, i))
+                        link.put(("full", r.version, i))
 
     async def _sender(self, link: _Link) -> None:
-        async for item in link.rx:
+        while True:
+            item = await link.get()
             kind = item[0]
-            if kind == "msg":
-                await link.conn.send_message(item[1])
+            if kind in ("msg", "manifest"):
+                link.sending_since = trio.current_time()
+                try:
+                    await link.conn.send_message(item[2])
+                finally:
+                    link.sending_since = None
+                if kind == "manifest":
+                    link.manifest_sent = (item[1], trio.current_time())
                 continue
             ver, i = item[1], item[2]
             cur = self.cur
@@ -393,10 +508,12 @@ class PipelinedSender(_HubSide):
                 data = pub.packed.encoded[i]
                 flag = ENC_MANIFEST
             link.inflight.add((ver, i))
+            link.sending_since = trio.current_time()
             try:
                 await link.conn.send_chunk(pack_chunk_frame(ver, i, flag, data))
             finally:
                 link.inflight.discard((ver, i))
+                link.sending_since = None
             self.bytes_sent += len(data)
             cur.metrics.hub_sent_bytes += len(data)
             if kind == "chunk" and self.cur is cur:
@@ -426,12 +543,43 @@ class StarWithHolds(_HubSide):
         peer = conn.peer_id
         self.connected.add(peer)
         try:
-            await _duplex(self.star.serve_connection(conn), self._receive_loop(conn))
+            await _duplex(self.star.serve_connection(conn), self._receive_and_answer(conn))
         finally:
             self.connected.discard(peer)
             self._changed()
 
-    async def _receive_loop(self, conn: DataConnection) -> None:
+    async def _receive_and_answer(self, conn: DataConnection) -> None:
+        # Pulls are answered too: a node that got the next manifest before finishing the previous
+        # version cannot decode the star's deltas against it and asks for those chunks in full
+        # ('full'); one whose push stalled pulls ('get'). Unanswered, it would never hold a
+        # version again. Answers go through a bounded queue (a flood is cut, never buffered).
+        tx, rx = trio.open_memory_channel[tuple[int, int, bool]](STAR_MAX_PENDING_PULLS)
+        failed: BaseException | None = None
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(self._answer_pulls, conn, rx)
+            try:
+                await self._receive_loop(conn, tx)
+            except (Echo2Error, OSError) as exc:
+                failed = exc
+            nursery.cancel_scope.cancel()
+        if failed is not None:
+            raise failed
+
+    async def _answer_pulls(self, conn: DataConnection, rx: trio.MemoryReceiveChannel[tuple[int, int, bool]]) -> None:
+        async for ver, i, full in rx:
+            pub = self.publisher.latest
+            if pub is None or pub.version != ver or not 0 <= i < len(pub.packed.encoded):
+                continue
+            if full:
+                data = await trio.to_thread.run_sync(pub.full_encoding, i)
+                flag = ENC_FULL
+            else:
+                data = pub.packed.encoded[i]
+                flag = ENC_MANIFEST
+            await conn.send_chunk(pack_chunk_frame(ver, i, flag, data))
+            self.star.bytes_sent += len(data)
+
+    async def _receive_loop(self, conn: DataConnection, pulls: trio.MemorySendChannel[tuple[int, int, bool]]) -> None:
         while True:
             try:
                 frame = await conn.receive()
@@ -446,6 +594,15 @@ class StarWithHolds(_HubSide):
                         self._on_hello(conn.peer_id, d)
                     elif kind == REQ_STATS:
                         self._on_stats(conn.peer_id, d)
+                    elif kind in (REQ_GET, REQ_FULL):
+                        r: ChunkRequest = d["m"]
+                        pub = self.publisher.latest
+                        if pub is not None and r.version == pub.version:
+                            for i in sorted(set(r.indices))[:STAR_MAX_PENDING_PULLS]:
+                                try:
+                                    pulls.send_nowait((r.version, i, kind == REQ_FULL))
+                                except trio.WouldBlock:
+                                    break
                 elif frame.type is FrameType.MESSAGE:
                     self._on_message(conn.peer_id, frame.payload)
             except Echo2Error as exc:

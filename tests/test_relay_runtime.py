@@ -13,8 +13,8 @@ import pytest
 import torch
 import trio
 
-from echo2.learner_hub.broadcast import PipelinedSender
-from echo2.learner_hub.publisher import PolicyPublisher
+from echo2.learner_hub.broadcast import PipelinedSender, StarWithHolds
+from echo2.learner_hub.publisher import PolicyPublisher, StarSender
 from echo2.node.chunkstore import ChunkStore
 from echo2.node.relay_runtime import RelayConfig, RelayNode, decode_request, encode_request
 from echo2.protocol import packing
@@ -31,15 +31,21 @@ def _state(nbytes: int, seed: int) -> dict[str, torch.Tensor]:
 
 class Swarm:
     def __init__(self, tmp: Path, n: int, *, chunk: int, up_MBps: float, node_up: dict[int, float] | None = None,
-                 corrupt: frozenset[int] = frozenset()) -> None:
+                 corrupt: frozenset[int] = frozenset(), stall_s: float = 1.0,
+                 relay_cls: dict[int, type[RelayNode]] | None = None, star: bool = False) -> None:
         self.hub_id = Identity.generate()
         self.publisher = PolicyPublisher(self.hub_id, "{}", {}, SimpleNamespace(chunk_bytes=chunk, full_every=10))
-        self.sender = PipelinedSender(self.publisher, self.hub_id, hub_upload_MBps=up_MBps)
+        self.sender: Any = (
+            StarWithHolds(StarSender(self.publisher)) if star
+            else PipelinedSender(self.publisher, self.hub_id, hub_upload_MBps=up_MBps)
+        )
         self.server = DataPlaneServer(self.hub_id, self.sender.serve_connection, upload_limiter=UploadLimiter(up_MBps))
         self.n = n
         self.tmp = tmp
         self.up = {i: (node_up or {}).get(i, up_MBps) for i in range(n)}
         self.corrupt = corrupt
+        self.stall_s = stall_s
+        self.relay_cls = relay_cls or {}
         self.nodes: list[RelayNode] = []
         self.scopes: list[trio.CancelScope] = []
 
@@ -54,9 +60,9 @@ class Swarm:
     async def add_nodes(self, nursery: trio.Nursery) -> None:
         for i in range(self.n):
             ident = Identity.generate()
-            cfg = RelayConfig(upload_MBps=self.up[i], stall_timeout_s=1.0, request_timeout_s=2.0,
+            cfg = RelayConfig(upload_MBps=self.up[i], stall_timeout_s=self.stall_s, request_timeout_s=2.0,
                               corrupt_sends=i in self.corrupt)
-            node = RelayNode(ident, ChunkStore(self.tmp / f"n{i}"), self.hub_id.peer_id, self.server.addr, cfg)
+            node = self.relay_cls.get(i, RelayNode)(ident, ChunkStore(self.tmp / f"n{i}"), self.hub_id.peer_id, self.server.addr, cfg)
             scope = trio.CancelScope()
             self.nodes.append(node)
             self.scopes.append(scope)
@@ -187,6 +193,86 @@ def test_nodes_joining_after_publication_get_it_and_back_to_back_versions_flow(t
                 await sw.wait_holds(5, sw.nodes)
                 for nd in sw.nodes:
                     _check_loaded(nd, sds[5])
+                nursery.cancel_scope.cancel()
+
+    trio.run(main)
+
+
+class _StopsReadingHub(RelayNode):
+    """Holds a first version, then never reads the hub link again (its TCP window fills)."""
+
+    async def _receive_loop(self, link: Any) -> None:
+        if link.peer != self.hub_peer:
+            await super()._receive_loop(link)
+            return
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(super()._receive_loop, link)
+            while self.held is None:
+                await trio.sleep(0.02)
+            nursery.cancel_scope.cancel()
+        await trio.sleep_forever()
+
+
+def test_relay_that_stops_reading_is_demoted_to_a_leaf(tmp_path: Path) -> None:
+    """An interior relay that stops reading the hub: the hub notices it sent no ``have`` for the
+    new version and repairs the plan around it, so its children do not wait out their (here very
+    long) stall timer, and later plans keep it a leaf."""
+    sds = [_state(1_000_000, 200 + v) for v in range(4)]
+
+    async def main() -> None:
+        with trio.fail_after(40):
+            # node 0 uploads fastest: a stripe root (interior) in the first plans
+            sw = Swarm(tmp_path, 4, chunk=128 * 1024, up_MBps=20.0, node_up={0: 40.0}, stall_s=60.0,
+                       relay_cls={0: _StopsReadingHub})
+            async with trio.open_nursery() as nursery:
+                await sw.start(nursery)
+                await sw.publish(1, sds[1])
+                await sw.wait_holds(1, sw.nodes)
+                staller, others = sw.nodes[0], sw.nodes[1:]
+                for v in (2, 3):
+                    t0 = trio.current_time()
+                    await sw.publish(v, sds[v])
+                    cur = sw.sender.cur
+                    assert cur is not None
+                    interior = any(cur.plan.children[s].get(staller.me) for s in range(cur.plan.stripes))
+                    if v == 2:
+                        # (on a loaded machine it may have been demoted while slow with v1 already)
+                        assert interior or staller.me in sw.sender.demoted, "the staller must be a relay in v2"
+                    else:
+                        assert not interior, "a demoted relay stays a leaf"
+                    await sw.wait_holds(v, others)
+                    took = trio.current_time() - t0
+                    assert took < 20.0, f"v{v} took {took:.1f}s"  # far below the 60 s stall timer
+                    for nd in others:
+                        _check_loaded(nd, sds[v])
+                    assert staller.me in sw.sender.demoted
+                assert staller.held is not None and staller.held.version == 1
+                nursery.cancel_scope.cancel()
+
+    trio.run(main)
+
+
+@pytest.mark.parametrize("star", [True, False])
+def test_back_to_back_delta_versions_reach_every_node(tmp_path: Path, star: bool) -> None:
+    """v2 (a delta against v1) is published right after v1: a node that gets v2's manifest before
+    it stored v1 cannot decode the deltas and pulls those chunks in full; the hub (star too) must
+    answer, or the node never holds a version again."""
+    sd1 = _state(600_000, 300)
+    sd2 = {"w": sd1["w"].clone()}
+    sd2["w"][:5000] ^= 0x33
+
+    async def main() -> None:
+        with trio.fail_after(30):
+            sw = Swarm(tmp_path, 2, chunk=128 * 1024, up_MBps=50.0, star=star)
+            async with trio.open_nursery() as nursery:
+                await sw.start(nursery)
+                await sw.publish(0, _state(600_000, 301))
+                await sw.wait_holds(0, sw.nodes)
+                await sw.publish(1, sd1)
+                await sw.publish(2, sd2)
+                await sw.wait_holds(2, sw.nodes)
+                for nd in sw.nodes:
+                    _check_loaded(nd, sd2)
                 nursery.cancel_scope.cancel()
 
     trio.run(main)
