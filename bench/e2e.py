@@ -23,6 +23,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--task", default="copy", choices=["copy", "reverse", "arith"])
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--link-MBps", type=float, default=20.0, help="emulated hub upload (MB/s, 1 MB = 10^6 B)")
+    parser.add_argument("--broadcast", default="star", choices=["star", "pipelined"], help="how versions reach nodes")
     parser.add_argument("--dir", type=Path, default=None)
     parser.add_argument("--timeout", type=float, default=1200.0, help="per run")
     parser.add_argument("--json", type=Path, default=None)
@@ -35,7 +36,7 @@ def run_one(root: Path, s: int, args: argparse.Namespace) -> dict[str, Any]:
     from echo2.learner_hub.config import HubConfig
 
     cfg = HubConfig(task=args.task, steps=args.steps, staleness=s, seed=args.seed, exit_when_done=True,
-                    upload_limit_MBps=args.link_MBps)
+                    upload_limit_MBps=args.link_MBps, broadcast=args.broadcast)
     t0 = time.monotonic()
     with LocalSwarm(root / f"S{s}", cfg, args.nodes) as swarm:
         swarm.start()
@@ -107,7 +108,7 @@ def run(args: argparse.Namespace) -> int:
         b = r["broadcast_last_node_s"]
         print(f"{r['staleness']:>3} {r['wall_s']:>8.1f} {r['learner_busy_fraction']:>6.3f} {r['predicted_busy_fraction']:>6.3f} "
               f"{r['reward_last']:>12.3f} {r['stale_dropped']:>6} {b if b is None else round(b, 3)!s:>8}")
-    out = {"nodes": args.nodes, "steps": args.steps, "link_MBps": args.link_MBps, "task": args.task, "seed": args.seed,
+    out = {"nodes": args.nodes, "steps": args.steps, "link_MBps": args.link_MBps, "broadcast": args.broadcast, "task": args.task, "seed": args.seed,
            "results": [{k: v for k, v in r.items() if k != "curve"} for r in rows]}
     if args.json:
         args.json.write_text(json.dumps(out, indent=1))
