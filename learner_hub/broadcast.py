@@ -38,7 +38,7 @@ import logging
 import statistics
 import time
 from collections import deque
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -48,7 +48,7 @@ from echo2.protocol import canonical, envelope
 from echo2.protocol.errors import ChunkMismatch, DecodeError, Echo2Error, SchemaError
 from echo2.protocol.identity import Identity
 from echo2.protocol.messages import BroadcastPlan, ChunkHave, ChunkRequest, HoldsVersion
-from echo2.protocol.net.dataplane import DataConnection, FrameType
+from echo2.protocol.net.dataplane import DataConnection, FrameType, duplex
 from echo2.protocol.relay import Relay, Request, Send
 from echo2.protocol.wire import ENC_FULL, ENC_MANIFEST, pack_chunk_frame
 
@@ -402,7 +402,7 @@ class PipelinedSender(_HubSide):
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(self._watch, link)
                 try:
-                    await _duplex(self._sender(link), self._receive_loop(link))
+                    await duplex(self._sender(link), self._receive_loop(link))
                 except (Echo2Error, OSError) as exc:
                     failed: BaseException | None = exc
                 else:
@@ -543,7 +543,7 @@ class StarWithHolds(_HubSide):
         peer = conn.peer_id
         self.connected.add(peer)
         try:
-            await _duplex(self.star.serve_connection(conn), self._receive_and_answer(conn))
+            await duplex(self.star.serve_connection(conn), self._receive_and_answer(conn))
         finally:
             self.connected.discard(peer)
             self._changed()
@@ -613,24 +613,6 @@ class StarWithHolds(_HubSide):
         return self.star.bytes_sent
 
 
-async def _duplex(sending: Awaitable[None], receiving: Awaitable[None]) -> None:
-    """Run a connection's sender and receiver until either ends; re-raise the first transport
-    error as itself (not wrapped in an ExceptionGroup, which ``except Echo2Error`` would miss)."""
-    errors: list[BaseException] = []
-
-    async def guard(aw: Awaitable[None], scope: trio.CancelScope) -> None:
-        try:
-            await aw
-        except (Echo2Error, OSError) as exc:
-            errors.append(exc)
-        finally:
-            scope.cancel()
-
-    async with trio.open_nursery() as nursery:
-        nursery.start_soon(guard, sending, nursery.cancel_scope)
-        nursery.start_soon(guard, receiving, nursery.cancel_scope)
-    if errors:
-        raise errors[0]
 
 
 __all__ = ["PeerInfo", "PipelinedSender", "StarWithHolds", "VersionMetrics"]

@@ -27,21 +27,23 @@ import logging
 import os
 import time
 from collections import OrderedDict
-from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import Any
 
 import trio
 
 from echo2.protocol import envelope
 from echo2.protocol.errors import Echo2Error, HandshakeError, MeaningError, SchemaError
 from echo2.protocol.identity import Identity
-from echo2.protocol.messages import Announce, Bool, Bytes, Float, Message, PeerId, Spec, Str
+from echo2.protocol.messages import (
+    Announce,
+    ProbeReply,
+)
 from echo2.protocol.net import dataplane
 from echo2.protocol.net.dataplane import DataConnection, FrameType
+from echo2.protocol.wire import PROBE as PROBE
 
 log = logging.getLogger(__name__)
 
-PROBE = "/echo2/probe/1.0.0"
 MAX_PROBE_REQUEST = 64 * 1024  # an Announce envelope
 PROBE_TTL_S = 3600.0  # long, so a node whose clock is minutes off still learns by how much
 MiB = 1024 * 1024
@@ -51,32 +53,6 @@ MAX_CONNECTION_BYTES = 256 * MiB
 MAX_CONNECTION_S = 60.0
 IDLE_S = 10.0
 MAX_TARGETS = 4
-
-
-@dataclass(frozen=True)
-class ProbeReply(Message):
-    """The hub's answer to a probe. Same schema as ``echo2.node.measure.ProbeReply``.
-
-    ``request_nonce`` is the nonce of the node's request envelope: it binds the reply to that
-    request, so the node can accept it whatever its own clock says (and so measure the skew).
-    """
-
-    TYPE: ClassVar[str] = "probe_reply"
-    MAX_SIZE: ClassVar[int] = 8 * 1024
-    SPEC: ClassVar[dict[str, Spec]] = {
-        "peer_id": PeerId(),
-        "request_nonce": Bytes(size=16),
-        "hub_time": Float(0.0),
-        "reachable": Bool(),
-        "reason": Str(1024),
-        "probe_data_addr": Str(256),
-    }
-    peer_id: str
-    request_nonce: bytes
-    hub_time: float
-    reachable: bool
-    reason: str
-    probe_data_addr: str
 
 
 class ProbeRateLimited(MeaningError):

@@ -14,20 +14,23 @@ import logging
 import os
 import time
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import Any
 
 import trio
 
 from echo2.protocol import canonical, envelope
 from echo2.protocol.errors import DecodeError, Echo2Error, MeaningError, SchemaError, Timeout
 from echo2.protocol.identity import Identity
-from echo2.protocol.messages import Announce, Bool, Bytes, Float, Message, PeerId, Spec, Str
+from echo2.protocol.messages import (
+    Announce,
+    ProbeReply,
+    )
 from echo2.protocol.net import dataplane
 from echo2.protocol.net.dataplane import DataConnection, FrameType
+from echo2.protocol.wire import PROBE
 
 log = logging.getLogger(__name__)
 
-PROBE = "/echo2/probe/1.0.0"
 PROBE_TTL_S = 3600.0
 MAX_PROBE_REPLY = 8 * 1024
 MiB = 1024 * 1024
@@ -114,28 +117,6 @@ def measure_throughput(
 
 
 # --- probe: reachability and clock skew ---------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class ProbeReply(Message):
-    """The hub's answer to a probe; same schema as ``echo2.learner_hub.probe_service.ProbeReply``."""
-
-    TYPE: ClassVar[str] = "probe_reply"
-    MAX_SIZE: ClassVar[int] = 8 * 1024
-    SPEC: ClassVar[dict[str, Spec]] = {
-        "peer_id": PeerId(),
-        "request_nonce": Bytes(size=16),
-        "hub_time": Float(0.0),
-        "reachable": Bool(),
-        "reason": Str(1024),
-        "probe_data_addr": Str(256),
-    }
-    peer_id: str
-    request_nonce: bytes
-    hub_time: float
-    reachable: bool
-    reason: str
-    probe_data_addr: str
 
 
 @dataclass(frozen=True)

@@ -54,7 +54,7 @@ from echo2.protocol.errors import ChunkMismatch, DecodeError, Echo2Error, Manife
 from echo2.protocol.hashing import digest
 from echo2.protocol.identity import Identity
 from echo2.protocol.messages import BroadcastPlan, ChunkHave, ChunkRequest, HoldsVersion, Manifest
-from echo2.protocol.net.dataplane import DataConnection, DataPlaneServer, FrameType, connect
+from echo2.protocol.net.dataplane import DataConnection, DataPlaneServer, FrameType, connect, duplex
 from echo2.protocol.net.ratelimit import UploadLimiter
 from echo2.protocol.relay import Complete, Evidence, Relay, Report, Request, Send, bitmap_from_indices
 from echo2.protocol.wire import ENC_FULL, ENC_MANIFEST, pack_chunk_frame, unpack_chunk_frame
@@ -285,7 +285,7 @@ class RelayNode:
             await self._send_have(link)
             if peer == self.hub_peer and self.held is not None:
                 await self._report_holds(self.held)
-            await _duplex(self._sender(link), self._receive_loop(link))
+            await duplex(self._sender(link), self._receive_loop(link))
         finally:
             if self.links.get(peer) is link:
                 del self.links[peer]
@@ -695,24 +695,6 @@ async def _await(x: Awaitable[None]) -> None:
     await x
 
 
-async def _duplex(sending: Awaitable[None], receiving: Awaitable[None]) -> None:
-    """Run a connection's sender and receiver until either ends; re-raise the first transport
-    error as itself (not wrapped in an ExceptionGroup, which ``except Echo2Error`` would miss)."""
-    errors: list[BaseException] = []
-
-    async def guard(aw: Awaitable[None], scope: trio.CancelScope) -> None:
-        try:
-            await aw
-        except (Echo2Error, OSError) as exc:
-            errors.append(exc)
-        finally:
-            scope.cancel()
-
-    async with trio.open_nursery() as nursery:
-        nursery.start_soon(guard, sending, nursery.cancel_scope)
-        nursery.start_soon(guard, receiving, nursery.cancel_scope)
-    if errors:
-        raise errors[0]
 
 
 def _is_news(new: Manifest, old: Manifest | None) -> bool:

@@ -648,6 +648,32 @@ class ErrorReply(Message):
     message: str
 
 
+@dataclass(frozen=True)
+class ProbeReply(Message):
+    """The hub's answer to a probe. Sent by the hub, read by ``echo2 node doctor`` and the node's link measurement.
+
+    ``request_nonce`` is the nonce of the node's request envelope: it binds the reply to that
+    request, so the node can accept it whatever its own clock says (and so measure the skew).
+    """
+
+    TYPE: ClassVar[str] = "probe_reply"
+    MAX_SIZE: ClassVar[int] = 8 * 1024
+    SPEC: ClassVar[dict[str, Spec]] = {
+        "peer_id": _PEER,
+        "request_nonce": Bytes(size=16),
+        "hub_time": Float(0.0),
+        "reachable": Bool(),
+        "reason": Str(1024),
+        "probe_data_addr": Str(256),
+    }
+    peer_id: str
+    request_nonce: bytes
+    hub_time: float
+    reachable: bool
+    reason: str
+    probe_data_addr: str
+
+
 MESSAGE_TYPES: dict[str, type[Message]] = {
     cls.TYPE: cls
     for cls in (
@@ -664,6 +690,7 @@ MESSAGE_TYPES: dict[str, type[Message]] = {
         ChunkRequest,
         HoldsVersion,
         ErrorReply,
+        ProbeReply,
     )
 }
 MESSAGE_TYPES_BY_DOMAIN: dict[str, type[Message]] = {c.DOMAIN: c for c in MESSAGE_TYPES.values()}

@@ -52,6 +52,7 @@ def corpus() -> list[bytes]:
         messages.ChunkRequest(3, [0, 5, 9]),
         messages.HoldsVersion(PEER, 3, 1.0),
         messages.ErrorReply("schema", "bad"),
+        messages.ProbeReply(PEER, b"\x02" * 16, NOW, True, "dialled back", "127.0.0.1:9"),
     ]
     assert {type(m) for m in msgs} == set(ALL_TYPES)
     return [seal(SIGNER, m, now=NOW, ttl_s=60.0) for m in msgs]

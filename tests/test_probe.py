@@ -115,7 +115,7 @@ def test_parse_bandwidth_request() -> None:
 
 
 def test_reply_schemas_agree() -> None:
-    """The two sides define ProbeReply separately (node and hub never import each other)."""
+    """Both sides use the one ProbeReply of echo2.protocol.messages."""
     assert hubprobe.ProbeReply.DOMAIN == measure.ProbeReply.DOMAIN == "echo2/probe_reply/1.0.0"
     assert list(hubprobe.ProbeReply.SPEC) == list(measure.ProbeReply.SPEC)
     assert hubprobe.PROBE == measure.PROBE

@@ -839,3 +839,23 @@ class DataPlaneServer:
             await conn.abort()
             raise
         await conn.aclose()
+
+
+async def duplex(sending: Awaitable[None], receiving: Awaitable[None]) -> None:
+    """Run a connection's sender and receiver until either ends; re-raise the first transport
+    error as itself (not wrapped in an ExceptionGroup, which ``except Echo2Error`` would miss)."""
+    errors: list[BaseException] = []
+
+    async def guard(aw: Awaitable[None], scope: trio.CancelScope) -> None:
+        try:
+            await aw
+        except (Echo2Error, OSError) as exc:
+            errors.append(exc)
+        finally:
+            scope.cancel()
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(guard, sending, nursery.cancel_scope)
+        nursery.start_soon(guard, receiving, nursery.cancel_scope)
+    if errors:
+        raise errors[0]
