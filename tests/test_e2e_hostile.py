@@ -65,11 +65,15 @@ def test_wrong_logprobs_node_is_banned(tmp_path: Path) -> None:
 @pytest.mark.e2e
 @pytest.mark.timeout(180)
 def test_forged_and_replayed_results_are_refused(tmp_path: Path) -> None:
-    steps = 10
+    # The forger joins first and the run is long enough that it is handed tasks before the
+    # honest nodes finish the steps on their own.
+    steps = 40
     cfg = small_cfg(steps)
     with LocalSwarm(tmp_path, cfg, n_nodes=2) as swarm:
-        swarm.start()
+        swarm.start_hub()
         hostile = start_hostile(swarm, 2, "forge")
+        for i in range(2):
+            swarm.start_node(i)
         report_path = tmp_path / "node2" / "hostile.json"
 
         def acted() -> dict[str, Any] | None:
