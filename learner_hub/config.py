@@ -33,7 +33,7 @@ class HubConfig:
     task: str = "copy"
     dataset: str = ""
     dtype: str = "float32"
-    publish_dtype: str = "float32"
+    publish_dtype: str = "bfloat16"
     # GRPO
     steps: int = 300
     prompts_per_step: int = 16

@@ -585,7 +585,10 @@ class Hub:
     def _verify(self, stats: Any, spot: dict[str, float]) -> None:
         """BRIEF §7: node log-probs must match the learner's: rows made with its current version
         (all of them, checked during the step) and a spot-check of stale rows (``spot``)."""
-        diffs = dict(stats.mismatch_by_node)
+        # The learner's in-step check compares with its own master weights: exact only when nodes
+        # run exactly those (fp32 publication); with bf16 publication the spot-check against the
+        # published weights (which covers the current version too) is the reference.
+        diffs = dict(stats.mismatch_by_node) if self.cfg.publish_dtype == self.cfg.dtype else {}
         for peer, d in spot.items():
             diffs[peer] = max(d, diffs.get(peer, 0.0))
         for peer, diff in diffs.items():
@@ -602,10 +605,19 @@ class Hub:
         from echo2.protocol import packing
         from echo2.protocol.modelspec import teacher_forced_logprobs
 
+        # rows of the current version are already checked in the step when nodes run the master
+        # weights themselves; otherwise they are spot-checked here like stale ones
+        same_weights = self.cfg.publish_dtype == self.cfg.dtype
         picked: dict[tuple[str, int], tuple[list[int], Any]] = {}
         for g in groups:
             for smp in g.samples:
-                if smp.version < current and smp.node_id and (smp.node_id, smp.version) not in picked and smp.token_ids:
+                if (
+                    smp.version <= current
+                    and (smp.version < current or not same_weights)
+                    and smp.node_id
+                    and (smp.node_id, smp.version) not in picked
+                    and smp.token_ids
+                ):
                     picked[(smp.node_id, smp.version)] = (g.prompt_ids, smp)
         out: dict[str, float] = {}
         if not picked:
