@@ -213,6 +213,7 @@ class _StopsReadingHub(RelayNode):
         await trio.sleep_forever()
 
 
+@pytest.mark.slow  # timing-sensitive (a 1 s progress timeout) on a loaded 2-core machine
 def test_relay_that_stops_reading_is_demoted_to_a_leaf(tmp_path: Path) -> None:
     """An interior relay that stops reading the hub: the hub notices it sent no ``have`` for the
     new version and repairs the plan around it, so its children do not wait out their (here very
