@@ -44,50 +44,33 @@ from typing import Any
 
 import trio
 
-from echo2.protocol import canonical, envelope
+from echo2.protocol import envelope
 from echo2.protocol.errors import ChunkMismatch, DecodeError, Echo2Error, SchemaError
 from echo2.protocol.identity import Identity
 from echo2.protocol.messages import BroadcastPlan, ChunkHave, ChunkRequest, HoldsVersion
 from echo2.protocol.net.dataplane import DataConnection, FrameType, duplex
 from echo2.protocol.relay import Relay, Request, Send
-from echo2.protocol.wire import ENC_FULL, ENC_MANIFEST, pack_chunk_frame
+from echo2.protocol.wire import (
+    ENC_FULL,
+    ENC_MANIFEST,
+    REQ_FULL,
+    REQ_GET,
+    REQ_HAVE,
+    REQ_HELLO,
+    REQ_STATS,
+    decode_request,
+    pack_chunk_frame,
+)
 
 from .planner import NodeInfo, Plan, plan_broadcast, replan
 from .publisher import PolicyPublisher, Published, StarSender
 
 log = logging.getLogger(__name__)
 
-MAX_REQUEST_PAYLOAD = 1024 * 1024
 STAR_MAX_PENDING_PULLS = 4096
 UNLIMITED_BPS = 1e9  # "no upload limit" as the planner sees it (about loopback speed here)
-# Mirrors echo2.node.relay_runtime (node and learner_hub do not import each other).
-REQ_HELLO = "hello"
-REQ_HAVE = "have"
-REQ_GET = "get"
-REQ_FULL = "full"
-REQ_STATS = "stats"
 
 
-def _decode_request(payload: bytes | bytearray) -> tuple[str, dict[str, Any]]:
-    d = canonical.decode(bytes(payload), max_size=MAX_REQUEST_PAYLOAD)
-    if not isinstance(d, dict) or not isinstance(d.get("k"), str):
-        raise SchemaError("request payload must be a map with a str 'k'")
-    kind = d["k"]
-    if kind == REQ_HAVE:
-        d["m"] = ChunkHave.from_wire(d.get("m"))
-    elif kind in (REQ_GET, REQ_FULL):
-        d["m"] = ChunkRequest.from_wire(d.get("m"))
-    elif kind == REQ_HELLO:
-        addr, up = d.get("addr"), d.get("up")
-        if not isinstance(addr, str) or len(addr) > 256 or not isinstance(up, (int, float)) or not 0 <= up < 1e12:
-            raise SchemaError("hello needs addr (str <= 256) and up (MB/s >= 0)")
-    elif kind == REQ_STATS:
-        for k in ("v", "sent", "recv"):
-            if not isinstance(d.get(k), int) or not 0 <= d[k] < 2**63:
-                raise SchemaError(f"stats field {k} must be an int >= 0")
-    else:
-        raise SchemaError(f"unknown request kind {kind[:32]!r}")
-    return kind, d
 
 
 @dataclass(frozen=True)
@@ -441,7 +424,7 @@ class PipelinedSender(_HubSide):
                 log.warning("refused %s frame from %s: %s", frame.type.name, link.peer, exc)
 
     def _on_request(self, link: _Link, payload: bytearray) -> None:
-        kind, d = _decode_request(payload)
+        kind, d = decode_request(payload)
         peer = link.peer
         cur = self.cur
         now = trio.current_time()
@@ -589,7 +572,7 @@ class StarWithHolds(_HubSide):
                 return
             try:
                 if frame.type is FrameType.REQUEST:
-                    kind, d = _decode_request(frame.payload)
+                    kind, d = decode_request(frame.payload)
                     if kind == REQ_HELLO:
                         self._on_hello(conn.peer_id, d)
                     elif kind == REQ_STATS:

@@ -49,7 +49,7 @@ from typing import Any
 
 import trio
 
-from echo2.protocol import canonical, envelope, packing
+from echo2.protocol import envelope, packing
 from echo2.protocol.errors import ChunkMismatch, DecodeError, Echo2Error, ManifestError, SchemaError
 from echo2.protocol.hashing import digest
 from echo2.protocol.identity import Identity
@@ -57,51 +57,29 @@ from echo2.protocol.messages import BroadcastPlan, ChunkHave, ChunkRequest, Hold
 from echo2.protocol.net.dataplane import DataConnection, DataPlaneServer, FrameType, connect, duplex
 from echo2.protocol.net.ratelimit import UploadLimiter
 from echo2.protocol.relay import Complete, Evidence, Relay, Report, Request, Send, bitmap_from_indices
-from echo2.protocol.wire import ENC_FULL, ENC_MANIFEST, pack_chunk_frame, unpack_chunk_frame
+from echo2.protocol.wire import (
+    ENC_FULL,
+    ENC_MANIFEST,
+    REQ_FULL,
+    REQ_GET,
+    REQ_HAVE,
+    REQ_HELLO,
+    REQ_STATS,
+    decode_request,
+    encode_request,
+    pack_chunk_frame,
+    unpack_chunk_frame,
+)
 
 from .chunkstore import ChunkStore
 
 log = logging.getLogger(__name__)
 
-MAX_REQUEST_PAYLOAD = 1024 * 1024
 # Chunks of a version whose manifest has not come yet (a parent forwards as soon as it verified,
 # and its manifest may overtake ours): kept up to this many bytes, replayed when the manifest comes.
 MAX_EARLY_BYTES = 64 * 1024 * 1024
 MAX_EARLY_VERSIONS = 4
 
-# --- REQUEST frame payloads (the hub's echo2.learner_hub.broadcast mirrors these) ----------------
-REQ_HELLO = "hello"
-REQ_HAVE = "have"
-REQ_GET = "get"
-REQ_FULL = "full"
-REQ_STATS = "stats"
-
-
-def encode_request(kind: str, **fields: Any) -> bytes:
-    return canonical.encode({"k": kind, **fields})
-
-
-def decode_request(payload: bytes | bytearray) -> tuple[str, dict[str, Any]]:
-    """``(kind, map)`` of a REQUEST payload; SchemaError/DecodeError for anything malformed."""
-    d = canonical.decode(bytes(payload), max_size=MAX_REQUEST_PAYLOAD)
-    if not isinstance(d, dict) or not isinstance(d.get("k"), str):
-        raise SchemaError("request payload must be a map with a str 'k'")
-    kind = d["k"]
-    if kind in (REQ_HAVE,):
-        d["m"] = ChunkHave.from_wire(d.get("m"))
-    elif kind in (REQ_GET, REQ_FULL):
-        d["m"] = ChunkRequest.from_wire(d.get("m"))
-    elif kind == REQ_HELLO:
-        addr, up = d.get("addr"), d.get("up")
-        if not isinstance(addr, str) or len(addr) > 256 or not isinstance(up, (int, float)) or not 0 <= up < 1e12:
-            raise SchemaError("hello needs addr (str <= 256) and up (MB/s >= 0)")
-    elif kind == REQ_STATS:
-        for k in ("v", "sent", "recv"):
-            if not isinstance(d.get(k), int) or not 0 <= d[k] < 2**63:
-                raise SchemaError(f"stats field {k} must be an int >= 0")
-    else:
-        raise SchemaError(f"unknown request kind {kind[:32]!r}")
-    return kind, d
 
 
 # --- the plan as the relay sees it ---------------------------------------------------------------

@@ -8,8 +8,11 @@ from __future__ import annotations
 
 import struct
 from dataclasses import dataclass
+from typing import Any
 
+from . import canonical
 from .errors import SchemaError
+from .messages import ChunkHave, ChunkRequest
 
 ADMISSION = "/echo2/admission/1.0.0"  # AdmissionRequest -> AdmissionDecision
 WORK = "/echo2/work/1.0.0"  # Heartbeat (long poll) -> Task | ErrorReply(no_work)
@@ -51,3 +54,39 @@ def unpack_chunk_frame(payload: bytes | bytearray | memoryview) -> ChunkFrame:
     if encoding not in (ENC_MANIFEST, ENC_FULL):
         raise SchemaError(f"unknown chunk encoding flag {encoding}")
     return ChunkFrame(version, index, encoding, mv[_CHUNK_HEADER.size :])
+
+
+# --- REQUEST frame payloads on the data plane (relays and the hub's senders) ------------------
+MAX_REQUEST_PAYLOAD = 1024 * 1024
+REQ_HELLO = "hello"  # a node says its data address and upload rate
+REQ_HAVE = "have"  # ChunkHave
+REQ_GET = "get"  # ChunkRequest: chunks in the manifest's encoding
+REQ_FULL = "full"  # ChunkRequest: full (non-delta) encodings, for a node without the parent
+REQ_STATS = "stats"  # a node's byte counters for a version
+
+
+def encode_request(kind: str, **fields: Any) -> bytes:
+    return canonical.encode({"k": kind, **fields})
+
+
+def decode_request(payload: bytes | bytearray) -> tuple[str, dict[str, Any]]:
+    """``(kind, map)`` of a REQUEST payload; SchemaError/DecodeError for anything malformed."""
+    d = canonical.decode(bytes(payload), max_size=MAX_REQUEST_PAYLOAD)
+    if not isinstance(d, dict) or not isinstance(d.get("k"), str):
+        raise SchemaError("request payload must be a map with a str 'k'")
+    kind = d["k"]
+    if kind == REQ_HAVE:
+        d["m"] = ChunkHave.from_wire(d.get("m"))
+    elif kind in (REQ_GET, REQ_FULL):
+        d["m"] = ChunkRequest.from_wire(d.get("m"))
+    elif kind == REQ_HELLO:
+        addr, up = d.get("addr"), d.get("up")
+        if not isinstance(addr, str) or len(addr) > 256 or not isinstance(up, (int, float)) or not 0 <= up < 1e12:
+            raise SchemaError("hello needs addr (str <= 256) and up (MB/s >= 0)")
+    elif kind == REQ_STATS:
+        for k in ("v", "sent", "recv"):
+            if not isinstance(d.get(k), int) or not 0 <= d[k] < 2**63:
+                raise SchemaError(f"stats field {k} must be an int >= 0")
+    else:
+        raise SchemaError(f"unknown request kind {kind[:32]!r}")
+    return kind, d
