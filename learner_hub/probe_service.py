@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import ipaddress
 import logging
-import os
 import time
 from collections import OrderedDict
 from typing import Any
@@ -47,7 +46,6 @@ log = logging.getLogger(__name__)
 MAX_PROBE_REQUEST = 64 * 1024  # an Announce envelope
 PROBE_TTL_S = 3600.0  # long, so a node whose clock is minutes off still learns by how much
 MiB = 1024 * 1024
-CHUNK = 1 * MiB
 MAX_TRANSFER = 64 * MiB
 MAX_CONNECTION_BYTES = 256 * MiB
 MAX_CONNECTION_S = 60.0
@@ -260,15 +258,6 @@ class ProbeService:
 
 # --- bandwidth responder ----------------------------------------------------------------------
 
-_PAYLOAD: bytes | None = None
-
-
-def _payload() -> bytes:
-    # Random bytes: nothing on the path can compress them into a flattering figure.
-    global _PAYLOAD
-    if _PAYLOAD is None:
-        _PAYLOAD = os.urandom(CHUNK)
-    return _PAYLOAD
 
 
 def parse_request(payload: bytes | bytearray) -> tuple[str, int]:
@@ -286,18 +275,6 @@ def parse_request(payload: bytes | bytearray) -> tuple[str, int]:
     return verb, size
 
 
-async def send_bytes(conn: DataConnection, n: int) -> None:
-    """N bytes of CHUNK frames (the key of a full chunk is computed once)."""
-    data = _payload()
-    full_key = dataplane.chunk_key(data)
-    left = n
-    while left > 0:
-        if left >= CHUNK:
-            await conn.send_chunk(data, key=full_key)
-            left -= CHUNK
-        else:
-            await conn.send_chunk(data[:left])
-            left = 0
 
 
 async def receive_bytes(conn: DataConnection, n: int, *, idle_s: float = IDLE_S) -> float:
@@ -338,7 +315,7 @@ async def handle_probe_connection(conn: DataConnection) -> None:
                 return
             moved += n
             if verb == "bw-down":
-                await send_bytes(conn, n)
+                await dataplane.send_filler(conn, n)
                 await conn.send_request(f"bw-down-done {n}".encode())
             else:
                 seconds = await receive_bytes(conn, n)

@@ -35,7 +35,6 @@ PROBE_TTL_S = 3600.0
 MAX_PROBE_REPLY = 8 * 1024
 MiB = 1024 * 1024
 MB = 1_000_000
-CHUNK = 1 * MiB
 
 FIXED_TEXTS = (
     "Copy the second digit: 4 7 1",
@@ -207,27 +206,8 @@ class Bandwidth:
     seconds: float
 
 
-_PAYLOAD: bytes | None = None
 
 
-def _payload() -> bytes:
-    global _PAYLOAD
-    if _PAYLOAD is None:
-        _PAYLOAD = os.urandom(CHUNK)
-    return _PAYLOAD
-
-
-async def _send_bytes(conn: DataConnection, n: int) -> None:
-    data = _payload()
-    key = dataplane.chunk_key(data)
-    left = n
-    while left > 0:
-        if left >= CHUNK:
-            await conn.send_chunk(data, key=key)
-            left -= CHUNK
-        else:
-            await conn.send_chunk(data[:left])
-            left = 0
 
 
 async def _expect_request(conn: DataConnection, prefix: bytes, timeout_s: float) -> bytes:
@@ -259,7 +239,7 @@ async def _download(conn: DataConnection, n: int, timeout_s: float) -> float:
 async def _upload(conn: DataConnection, n: int, timeout_s: float) -> float:
     t0 = time.perf_counter()
     await conn.send_request(f"bw-up {n}".encode())
-    await _send_bytes(conn, n)
+    await dataplane.send_filler(conn, n)
     await _expect_request(conn, b"bw-up-ack", timeout_s)
     return time.perf_counter() - t0
 

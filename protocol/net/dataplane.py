@@ -859,3 +859,25 @@ async def duplex(sending: Awaitable[None], receiving: Awaitable[None]) -> None:
         nursery.start_soon(guard, receiving, nursery.cancel_scope)
     if errors:
         raise errors[0]
+
+
+_FILLER_SLICE = 1 * MiB
+_filler: bytes | None = None
+
+
+async def send_filler(conn: DataConnection, n: int) -> None:
+    """Send ``n`` random bytes as CHUNK frames of at most 1 MiB (bandwidth probes). Random, so
+    nothing on the path can compress them into a flattering figure; the full slice's key is
+    computed once."""
+    global _filler
+    if _filler is None:
+        _filler = os.urandom(_FILLER_SLICE)
+    full_key = chunk_key(_filler)
+    left = n
+    while left > 0:
+        if left >= _FILLER_SLICE:
+            await conn.send_chunk(_filler, key=full_key)
+            left -= _FILLER_SLICE
+        else:
+            await conn.send_chunk(_filler[:left])
+            left = 0
