@@ -7,7 +7,8 @@ libp2p leg needs anyway), so they share the same handicap and the ratios are fai
 2. one py-libp2p stream between two real hosts (TCP + Noise + Yamux only), 1 MiB writes;
 3. the echo2 data plane: mutual handshake, then CHUNK frames of ``--chunk-mib`` each, every
    chunk blake3-verified at the receiver before it is counted (the sender passes the key it
-   already knows, as a relay does with the manifest's ``enc_hash``);
+   already knows, as a relay does with the manifest's ``enc_hash``); the receiver is the data
+   plane's own code path, which reads and hashes a large body on a worker thread;
 4. the data plane again with the sender's upload limited to ``--limit-MBps`` (the receiver
    requests, the server sends, as when a node serves chunks to its children).
 

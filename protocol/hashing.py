@@ -17,6 +17,16 @@ def digest(data: bytes | bytearray | memoryview) -> bytes:
     return blake3.blake3(data, max_threads=1).digest()
 
 
+#: An incremental hasher (``update(data)``, ``digest()``).
+Hasher = blake3.blake3
+
+
+def new_hasher() -> Hasher:
+    """An incremental hasher whose ``digest()`` equals :func:`digest` of everything fed to
+    ``update()`` (for hashing a body piece by piece as it arrives)."""
+    return blake3.blake3(max_threads=1)
+
+
 def hexdigest(data: bytes | bytearray | memoryview) -> str:
     """The blake3 hash of ``data`` as 64 lowercase hex characters (for logs and file names)."""
     return digest(data).hex()

@@ -533,6 +533,108 @@ def test_receive_timeout_keeps_connection_usable() -> None:
     run(main)
 
 
+# --- large bodies: received and hashed on a worker thread ------------------------------------
+
+
+def _open_fds() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+def test_body_larger_than_one_buffer_arrives_whole_and_verified() -> None:
+    # 8 MiB + 5 spans two receive buffers (and two worker hand-offs) but one hash.
+    server_id, client_id = Identity.generate(), Identity.generate()
+    data = os.urandom(dp._ALLOC_STEP + 5)
+    outcome: dict[str, Any] = {}
+
+    async def handler(conn: DataConnection) -> None:
+        frame = await conn.receive()
+        outcome["ok"] = frame.payload == data and frame.key == chunk_key(data)
+        outcome["received"] = conn.bytes_received
+
+    async def main() -> None:
+        async with serving(DataPlaneServer(server_id, handler)) as server:
+            conn = await connect(server.addr, client_id, server_id.peer_id, timeout_s=5)
+            await conn.send_chunk(data)
+            assert (await conn.receive()).type is FrameType.BYE
+            await conn.aclose()
+
+    run(main)
+    assert outcome["ok"] is True
+    assert outcome["received"] >= len(data) + HEADER.size
+
+
+def test_timeout_in_the_middle_of_a_large_body() -> None:
+    # The worker must give up with the timeout (not linger reading), release its descriptor,
+    # and the connection must be marked unusable: the byte stream is out of sync.
+    server_id, client_id = Identity.generate(), Identity.generate()
+    outcome: dict[str, Any] = {}
+    hold = trio.Event()
+
+    async def handler(conn: DataConnection) -> None:
+        t0 = time.monotonic()
+        try:
+            await conn.receive(timeout_s=0.3)
+        except Timeout as exc:
+            outcome["error"] = exc
+        outcome["elapsed"] = time.monotonic() - t0
+        outcome["usable"] = conn.usable
+        outcome["worker"] = conn._rx_thread
+        await hold.wait()
+
+    async def main() -> None:
+        async with serving(DataPlaneServer(server_id, handler)) as server:
+            conn = await connect(server.addr, client_id, server_id.peer_id, timeout_s=5)
+            fds_before = _open_fds()
+            await conn._stream.send_all(HEADER.pack(FrameType.CHUNK, bytes(32), 4 * MiB) + bytes(MiB))
+            with trio.fail_after(5):
+                while "elapsed" not in outcome:
+                    await trio.sleep(0.01)
+            outcome["fds_after"] = _open_fds() - fds_before
+            hold.set()
+            await conn.abort()
+
+    run(main)
+    assert isinstance(outcome["error"], Timeout)
+    assert outcome["elapsed"] < 2.0
+    assert outcome["usable"] is False
+    assert outcome["worker"] is None
+    assert outcome["fds_after"] <= 0  # the worker's duplicate descriptor is closed
+
+
+def test_closing_while_a_large_body_arrives_stops_the_receiver() -> None:
+    server_id, client_id = Identity.generate(), Identity.generate()
+    outcome: dict[str, Any] = {}
+
+    async def main() -> None:
+        got_conn: list[DataConnection] = []
+
+        async def handler(conn: DataConnection) -> None:
+            got_conn.append(conn)
+            t0 = time.monotonic()
+            try:
+                await conn.receive()
+            except TransportError as exc:
+                outcome["error"] = exc
+            outcome["elapsed"] = time.monotonic() - t0
+
+        async with serving(DataPlaneServer(server_id, handler)) as server:
+            conn = await connect(server.addr, client_id, server_id.peer_id, timeout_s=5)
+            # Half a body, then silence: the server's worker waits for the rest.
+            await conn._stream.send_all(HEADER.pack(FrameType.CHUNK, bytes(32), 4 * MiB) + bytes(MiB))
+            with trio.fail_after(5):
+                while not got_conn or got_conn[0]._rx_thread is None:
+                    await trio.sleep(0.01)
+            await got_conn[0].abort()  # another task closes the connection under the receiver
+            with trio.fail_after(5):
+                while "elapsed" not in outcome:
+                    await trio.sleep(0.01)
+            await conn.abort()
+
+    run(main)
+    assert isinstance(outcome["error"], TransportError)
+    assert outcome["elapsed"] < 2.0
+
+
 # --- rate limit -------------------------------------------------------------------------------
 
 
