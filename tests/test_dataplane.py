@@ -563,6 +563,38 @@ def test_body_larger_than_one_buffer_arrives_whole_and_verified() -> None:
     assert outcome["received"] >= len(data) + HEADER.size
 
 
+@pytest.mark.parametrize("workers", [16, 0])
+def test_large_bodies_verified_with_and_without_free_workers(
+    workers: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # With every worker slot taken, a large body is received in the trio thread: same checks.
+    from echo2.protocol.net import rxthread
+
+    monkeypatch.setattr(rxthread, "MAX_WORKERS", workers)
+    server_id, client_id = Identity.generate(), Identity.generate()
+    good, bad = os.urandom(3 * MiB), bytearray(os.urandom(3 * MiB))
+    bad_key = chunk_key(bad)
+    bad[-1] ^= 0x80
+    outcome: dict[str, Any] = {}
+
+    async def handler(conn: DataConnection) -> None:
+        with pytest.raises(ChunkMismatch):
+            await conn.receive()
+        outcome["good"] = (await conn.receive()).payload == good
+
+    async def main() -> None:
+        async with serving(DataPlaneServer(server_id, handler)) as server:
+            conn = await connect(server.addr, client_id, server_id.peer_id, timeout_s=5)
+            await conn.send_chunk(bad, key=bad_key)
+            await conn.send_chunk(good)
+            assert (await conn.receive()).type is FrameType.BYE
+            await conn.aclose()
+
+    run(main)
+    assert outcome["good"] is True
+    assert rxthread._active == 0
+
+
 def test_timeout_in_the_middle_of_a_large_body() -> None:
     # The worker must give up with the timeout (not linger reading), release its descriptor,
     # and the connection must be marked unusable: the byte stream is out of sync.

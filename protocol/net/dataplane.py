@@ -78,7 +78,14 @@ from ..hashing import Hasher, digest, new_hasher
 from ..identity import Identity, peer_id_from_public_key, verify_signature
 from .peerlimit import ConcurrencyLimiter, KeyedRateLimiter, LogThrottle
 from .ratelimit import DEFAULT_SLICE_BYTES, UploadLimiter, acquire_all
-from .rxthread import THREAD_MIN_BYTES, PeerClosed, Stopped, ThreadedReceive
+from .rxthread import (
+    THREAD_MIN_BYTES,
+    PeerClosed,
+    Stopped,
+    ThreadedReceive,
+    release_worker,
+    try_take_worker,
+)
 
 log = logging.getLogger(__name__)
 
@@ -505,15 +512,18 @@ class DataConnection:
         # the chunk. Small bodies: in the trio thread. Large ones: received and hashed on a
         # worker thread (rxthread.py), so that a relay's sends keep the trio thread.
         hasher = new_hasher()
-        if length < THREAD_MIN_BYTES:
+        if length < THREAD_MIN_BYTES or not try_take_worker():
             return await self._recv_body(length, hasher.update), hasher.digest()
-        pieces = []
-        remaining = length
-        while remaining:
-            piece = _new_buffer(min(remaining, _ALLOC_STEP))
-            await self._recv_in_thread(memoryview(piece), hasher)
-            pieces.append(piece)
-            remaining -= len(piece)
+        try:
+            pieces = []
+            remaining = length
+            while remaining:
+                piece = _new_buffer(min(remaining, _ALLOC_STEP))
+                await self._recv_in_thread(memoryview(piece), hasher)
+                pieces.append(piece)
+                remaining -= len(piece)
+        finally:
+            release_worker()
         body = pieces[0] if len(pieces) == 1 else bytearray().join(pieces)
         return body, hasher.digest()
 

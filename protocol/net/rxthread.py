@@ -36,6 +36,28 @@ POLL_SLICE_MS = 20
 THREAD_MIN_BYTES = 1024 * 1024
 
 
+#: At most this many bodies are received on worker threads at once in a process; past it, a
+#: body is received in the trio thread as before. Threads come from trio's cache, which has no
+#: cap of its own, and a server may hold hundreds of connections.
+MAX_WORKERS = 16
+
+_active = 0
+
+
+def try_take_worker() -> bool:
+    """Reserve a worker slot; ``False`` when all are busy. Pair with :func:`release_worker`."""
+    global _active
+    if _active >= MAX_WORKERS:
+        return False
+    _active += 1
+    return True
+
+
+def release_worker() -> None:
+    global _active
+    _active = max(0, _active - 1)
+
+
 class PeerClosed(Exception):
     """EOF before the body was complete."""
 
@@ -109,4 +131,13 @@ class ThreadedReceive:
         return self._result.unwrap()
 
 
-__all__ = ["POLL_SLICE_MS", "THREAD_MIN_BYTES", "PeerClosed", "Stopped", "ThreadedReceive"]
+__all__ = [
+    "MAX_WORKERS",
+    "POLL_SLICE_MS",
+    "THREAD_MIN_BYTES",
+    "PeerClosed",
+    "Stopped",
+    "ThreadedReceive",
+    "release_worker",
+    "try_take_worker",
+]
