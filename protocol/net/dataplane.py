@@ -84,6 +84,7 @@ from .rxthread import (
     Stopped,
     ThreadedReceive,
     release_worker,
+    supported,
     try_take_worker,
 )
 
@@ -138,6 +139,9 @@ def _uninitialised_bytearray_factory() -> Callable[[int], bytearray]:
 
     return new
 
+
+#: Large bodies are received on a worker thread where that is possible (rxthread.py).
+_THREADED_RX = supported()
 
 #: A bytearray of ``n`` bytes whose content is undefined until written.
 _new_buffer = _uninitialised_bytearray_factory()
@@ -475,7 +479,7 @@ class DataConnection:
         while got < total:
             try:
                 n = await self._sock.recv_into(view[got : got + _RECV_MAX])
-            except OSError as exc:  # ECONNRESET and friends
+            except (OSError, trio.ClosedResourceError) as exc:  # ECONNRESET, closed by another task
                 self._broken = f"receive failed: {exc!r}"
                 raise TransportError(f"peer {self.peer_id} is gone (receive failed: {exc!r})") from exc
             if n == 0:
@@ -512,14 +516,16 @@ class DataConnection:
         # the chunk. Small bodies: in the trio thread. Large ones: received and hashed on a
         # worker thread (rxthread.py), so that a relay's sends keep the trio thread.
         hasher = new_hasher()
-        if length < THREAD_MIN_BYTES or not try_take_worker():
+        if length < THREAD_MIN_BYTES or not _THREADED_RX or not try_take_worker():
             return await self._recv_body(length, hasher.update), hasher.digest()
         try:
             pieces = []
             remaining = length
             while remaining:
                 piece = _new_buffer(min(remaining, _ALLOC_STEP))
-                await self._recv_in_thread(memoryview(piece), hasher)
+                view = memoryview(piece)
+                if not await self._recv_in_thread(view, hasher):
+                    await self._recv_into(view, on_piece=hasher.update)
                 pieces.append(piece)
                 remaining -= len(piece)
         finally:
@@ -527,12 +533,19 @@ class DataConnection:
         body = pieces[0] if len(pieces) == 1 else bytearray().join(pieces)
         return body, hasher.digest()
 
-    async def _recv_in_thread(self, view: memoryview, hasher: Hasher) -> None:
-        rx = ThreadedReceive(self._sock.fileno(), view, _RECV_MAX, hasher)
+    async def _recv_in_thread(self, view: memoryview, hasher: Hasher) -> bool:
+        """Fill ``view`` on a worker thread. ``False`` (nothing read) when no worker could be
+        started: the caller then receives in the trio thread."""
+        try:
+            rx = ThreadedReceive(self._sock.fileno(), view, _RECV_MAX, hasher)
+            rx.start()
+        except (OSError, RuntimeError) as exc:  # EMFILE, no thread: nothing was read
+            log.debug("receiving from %s in the trio thread: %r", self.peer_id, exc)
+            return False
         self._rx_thread = rx
         self._rx_partial = True
         try:
-            await rx.run()
+            await rx.wait()
         except OSError as exc:
             self._broken = f"receive failed: {exc!r}"
             raise TransportError(f"peer {self.peer_id} is gone (receive failed: {exc!r})") from exc
@@ -547,6 +560,7 @@ class DataConnection:
         finally:
             self._rx_thread = None
             self._account_received(rx.received)
+        return True
 
     # --- closing ---------------------------------------------------------------------------
     async def aclose(self, *, grace_s: float = 2.0) -> None:

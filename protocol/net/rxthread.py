@@ -42,20 +42,29 @@ THREAD_MIN_BYTES = 1024 * 1024
 MAX_WORKERS = 16
 
 _active = 0
+_active_lock = threading.Lock()  # trio runs in several threads of one process are allowed
+
+
+def supported() -> bool:
+    """The worker needs ``poll`` and descriptors that ``os.dup`` can copy (POSIX)."""
+    return os.name == "posix" and hasattr(select, "poll")
 
 
 def try_take_worker() -> bool:
     """Reserve a worker slot; ``False`` when all are busy. Pair with :func:`release_worker`."""
     global _active
-    if _active >= MAX_WORKERS:
-        return False
-    _active += 1
-    return True
+    with _active_lock:
+        if _active >= MAX_WORKERS:
+            return False
+        _active += 1
+        return True
 
 
 def release_worker() -> None:
     global _active
-    _active = max(0, _active - 1)
+    with _active_lock:
+        assert _active > 0, "release_worker() without try_take_worker()"
+        _active -= 1
 
 
 class PeerClosed(Exception):
@@ -69,14 +78,26 @@ class Stopped(Exception):
 class ThreadedReceive:
     """Fill ``view`` from the socket ``fd`` and blake3 it, on a worker thread.
 
-    ``await run()`` returns the digest of everything fed to ``hasher`` (a fresh one by
+    ``start()`` then ``await wait()`` (or ``await run()``) returns the digest of everything fed to ``hasher`` (a fresh one by
     default; pass one to hash a body received in several buffers); it raises ``PeerClosed``, ``Stopped`` or the
     ``OSError`` the read raised. ``received`` is how many bytes landed (also on error), for
     accounting.
     """
 
     def __init__(self, fd: int, view: memoryview, max_read: int, hasher: Hasher | None = None) -> None:
-        self._fd = fd
+        # Our own descriptor, taken here in the trio thread while ``fd`` is surely still the
+        # connection's: the trio side may close its socket while the worker still runs, and the
+        # number could then be recycled for another connection. Raises ``OSError`` (EMFILE...):
+        # nothing was read yet, so the caller can fall back to receiving in the trio thread.
+        dup = os.dup(fd)
+        try:
+            self._sock = socket.socket(fileno=dup)
+        except BaseException:
+            os.close(dup)
+            raise
+        # Never block in the kernel (``socket.setdefaulttimeout`` would make it do so); the
+        # descriptor is non-blocking already (trio's), so this changes no shared flag.
+        self._sock.setblocking(False)
         self._hasher = hasher if hasher is not None else new_hasher()
         self._view = view
         self._max_read = max_read
@@ -84,11 +105,11 @@ class ThreadedReceive:
         self.stop = threading.Event()
         self._done = trio.Event()
         self._result: outcome.Outcome[bytes] | None = None
+        self._started = False
 
     def _work(self) -> bytes:
         view, total, max_read, hasher = self._view, len(self._view), self._max_read, self._hasher
-        # Our own descriptor: the trio side may close its socket while we are still here.
-        sock = socket.socket(fileno=os.dup(self._fd))
+        sock = self._sock
         try:
             poller = select.poll()
             poller.register(sock.fileno(), select.POLLIN)
@@ -108,18 +129,28 @@ class ThreadedReceive:
                 self.received = got
             return hasher.digest()
         finally:
-            # The socket object must not close what the kernel shares with the trio side's
-            # descriptor beyond our duplicate: close() on a dup closes only the dup.
-            sock.close()
+            sock.close()  # closes the duplicate only; the connection's own descriptor stays
 
-    async def run(self) -> bytes:
+    def start(self) -> None:
+        """Hand the receive to a worker thread. Raises ``RuntimeError`` when none can be
+        started (the descriptor is then released and nothing was read)."""
         token = trio.lowlevel.current_trio_token()
 
         def deliver(result: outcome.Outcome[bytes]) -> None:
             self._result = result
             token.run_sync_soon(self._done.set)
 
-        trio.lowlevel.start_thread_soon(self._work, deliver, name="echo2 chunk receiver")
+        try:
+            trio.lowlevel.start_thread_soon(self._work, deliver, name="echo2 chunk receiver")
+        except BaseException:
+            self._sock.close()
+            raise
+        self._started = True
+
+    async def wait(self) -> bytes:
+        """The digest once the body is in; on cancellation, stop the worker and wait for it
+        (shielded, at most one poll slice plus one read) before re-raising."""
+        assert self._started, "start() first"
         try:
             await self._done.wait()
         except BaseException:
@@ -130,6 +161,11 @@ class ThreadedReceive:
         assert self._result is not None
         return self._result.unwrap()
 
+    async def run(self) -> bytes:
+        """``start()`` then ``wait()``."""
+        self.start()
+        return await self.wait()
+
 
 __all__ = [
     "MAX_WORKERS",
@@ -139,5 +175,6 @@ __all__ = [
     "Stopped",
     "ThreadedReceive",
     "release_worker",
+    "supported",
     "try_take_worker",
 ]
