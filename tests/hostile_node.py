@@ -264,14 +264,18 @@ def peer_of(node_dir: Path) -> str:
     return Identity.load(node_dir / "node.key").peer_id
 
 
-def wait_until(pred: Callable[[], Any], timeout_s: float, what: str, poll_s: float = 0.3) -> Any:
+def wait_until(
+    pred: Callable[[], Any], timeout_s: float, what: str | Callable[[], str], poll_s: float = 0.3
+) -> Any:
+    """Poll ``pred`` until truthy (returned) or ``timeout_s`` (AssertionError naming ``what``;
+    a callable ``what`` is evaluated at failure time, e.g. to include the logs as they are then)."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         v = pred()
         if v:
             return v
         time.sleep(poll_s)
-    raise AssertionError(f"{what}: not within {timeout_s}s")
+    raise AssertionError(f"{what() if callable(what) else what}: not within {timeout_s}s")
 
 
 def query(root: Path, sql: str, args: tuple[Any, ...] = ()) -> list[tuple[Any, ...]]:

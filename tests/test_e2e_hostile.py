@@ -31,13 +31,16 @@ from echo2.bench.swarm import LocalSwarm
 @pytest.mark.e2e
 @pytest.mark.timeout(180)
 def test_wrong_logprobs_node_is_banned(tmp_path: Path) -> None:
-    # Only rows made with the learner's current version are checked (about half of them at S = 1)
-    # and the faster honest nodes take most tasks: enough steps for three checked batches.
+    # The liar works alone first, so that its rows are certainly the ones checked (beside two
+    # fast honest nodes it sometimes got too few tasks before a short run ended); the honest
+    # nodes join once it is banned and must finish the run with the steps it trained.
     steps = 30
     cfg = small_cfg(steps)
     with LocalSwarm(tmp_path, cfg, n_nodes=2) as swarm:
         swarm.start_hub()
         hostile = start_hostile(swarm, 2, "logprobs")
+        wait_until(lambda: query(tmp_path, "SELECT 1 FROM nodes WHERE banned = 1"), 120,
+                   lambda: f"the lying node banned\n{logs(tmp_path)}")
         for i in range(2):
             swarm.start_node(i)
         st = swarm.wait(150)
@@ -66,8 +69,9 @@ def test_wrong_logprobs_node_is_banned(tmp_path: Path) -> None:
 @pytest.mark.timeout(180)
 def test_forged_and_replayed_results_are_refused(tmp_path: Path) -> None:
     # The forger joins first and the run is long enough that it is handed tasks before the
-    # honest nodes finish the steps on their own.
-    steps = 40
+    # honest nodes finish the steps on their own: on a quiet machine the two honest nodes ran
+    # 40 steps in 3-4 s, before the forger (ready about a second after them) got a task.
+    steps = 200
     cfg = small_cfg(steps)
     with LocalSwarm(tmp_path, cfg, n_nodes=2) as swarm:
         swarm.start_hub()
@@ -80,7 +84,7 @@ def test_forged_and_replayed_results_are_refused(tmp_path: Path) -> None:
             rep: dict[str, Any] = json.loads(report_path.read_text()) if report_path.exists() else {}
             return rep if len(rep.get("actions", [])) >= 4 else None
 
-        report = wait_until(acted, 120, f"hostile node acted\n{logs(tmp_path)}")
+        report = wait_until(acted, 120, lambda: f"hostile node acted\n{logs(tmp_path)}")
         st = swarm.wait(120)
         assert_run_ok(st, steps, tmp_path)
         bad = report["peer_id"]
