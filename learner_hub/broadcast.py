@@ -121,6 +121,10 @@ class _HubSide:
         self.changed.set()
         self.changed = trio.Event()
 
+    def distrust(self, peer: str, why: str) -> None:
+        """Never use ``peer`` as a relay again (it was reported relaying corrupt chunks). The
+        star sender has no relays: nothing to do."""
+
     def info(self, peer: str) -> PeerInfo | None:
         if self.node_info is not None:
             got = self.node_info(peer)
@@ -243,6 +247,8 @@ class PipelinedSender(_HubSide):
         # peer -> the version current when it was demoted; a leaf in every plan until it reports
         # holding a later one
         self.demoted: dict[str, int] = {}
+        # peers reported relaying corrupt chunks: leaves in every plan, for good
+        self.distrusted: set[str] = set()
         self._started_at = 0.0  # trio clock when the current version's broadcast began
 
     # --- planning ------------------------------------------------------------------------------
@@ -250,8 +256,8 @@ class PipelinedSender(_HubSide):
         out = []
         for peer in sorted(self.links):
             info = self.info(peer)
-            if info is None or peer in self.demoted:
-                out.append(NodeInfo(peer, 0.0, False))  # unknown: a leaf everywhere
+            if info is None or peer in self.demoted or peer in self.distrusted:
+                out.append(NodeInfo(peer, 0.0, False))  # unknown or untrusted: a leaf everywhere
             else:
                 out.append(NodeInfo(peer, info.upload_Bps, info.reachable and bool(info.data_addr)))
         return out
@@ -329,6 +335,16 @@ class PipelinedSender(_HubSide):
                     cur.pub.version, peer, why)
         if self._is_interior(cur, peer):
             # Out and back in as a leaf: its children move, with their subtrees, to live parents.
+            self._repair(left=[peer], joined=[NodeInfo(peer, 0.0, False)])
+
+    def distrust(self, peer: str, why: str) -> None:
+        if peer in self.distrusted:
+            return
+        self.distrusted.add(peer)
+        cur = self.cur
+        log.warning("relay %s distrusted (%s): a leaf in every plan from now on", peer, why)
+        if cur is not None and peer in self.links and self._is_interior(cur, peer):
+            # Out and back in as a leaf: its children move, with their subtrees, to other parents.
             self._repair(left=[peer], joined=[NodeInfo(peer, 0.0, False)])
 
     def _check_progress(self, link: _Link) -> None:

@@ -59,6 +59,7 @@ class HubConfig:
     exit_when_done: bool = False
     checkpoint_every: int = 10
     logprob_tolerance: float = 1e-3
+    relay_report_quorum: int = 2
     allowlist: list[str] = field(default_factory=list)
     extra: dict[str, Any] = field(default_factory=dict)
 
@@ -83,6 +84,8 @@ class HubConfig:
             raise ConfigError("dtype and publish_dtype must be float32 or bfloat16")
         if not (0 < self.top_p <= 1) or self.temperature <= 0:
             raise ConfigError("need 0 < top_p <= 1 and temperature > 0")
+        if self.relay_report_quorum < 1:
+            raise ConfigError("relay_report_quorum must be >= 1")
 
 
 def load_config(path: str | Path) -> HubConfig:
@@ -146,6 +149,7 @@ full_every = {full_every}             # a full snapshot every K versions bounds 
 exit_when_done = {exit_when_done}   # stop the hub after `steps`
 checkpoint_every = {checkpoint_every}       # checkpoint policy, optimizer and step every K steps (restart resumes)
 logprob_tolerance = {logprob_tolerance}   # node log-probs must match the learner's recompute within this
+relay_report_quorum = {relay_report_quorum}    # distinct peers reporting corrupt relayed chunks that ban a relay
 allowlist = {allowlist_toml}              # peer IDs admitted in allowlist mode (also: echo2 hub admit PEER_ID)
 """
 

@@ -32,6 +32,7 @@ from echo2.protocol.messages import (
     ErrorReply,
     Heartbeat,
     HoldsVersion,
+    RelayReport,
     Result,
     Task,
     TaskDecline,
@@ -47,6 +48,7 @@ from echo2.protocol.wire import (
     HOLDS,
     MAX_CONTROL_REQUEST,
     MAX_RESULT,
+    REPORT,
     RESULT,
     WORK,
     WORK_POLL_S,
@@ -59,7 +61,7 @@ from .dispatch import DispatchConfig, Dispatcher, PromptGroup, ReplayBuffer
 from .ledger import Ledger
 from .probe_service import MAX_PROBE_REQUEST, PROBE, ProbeService, handle_probe_connection
 from .publisher import PolicyPublisher, StarSender
-from .reputation import Event, ReputationBook
+from .reputation import Event, ReputationBook, ReputationConfig
 from .status_http import StatusServer, hub_metrics
 from .store import HubStore
 
@@ -182,7 +184,8 @@ class Hub:
         # operator state: persisted in DIR/hub.sqlite, checkpoints in DIR/checkpoints
         self.store = HubStore.in_dir(self.dir)
         self.ledger = Ledger.restore(self.store.load_ledger())
-        self.reputation = ReputationBook()
+        self.reputation = ReputationBook(ReputationConfig(relay_report_quorum=cfg.relay_report_quorum))
+        self.relay_reports_received = 0
         for rec in self.store.list_nodes():
             if rec.rep_state:
                 self.reputation.restore(rec.peer_id, rec.rep_state)
@@ -515,6 +518,41 @@ class Hub:
         self._pump()
         return envelope.seal(self.identity, ErrorReply(code="ok", message="noted"))
 
+    async def on_relay_report(self, peer: str, data: bytes) -> bytes:
+        """A node says a peer relayed it a chunk off the signed manifest. What the hub can check,
+        it checks (the version is one it published and still knows, the expected hash is that
+        chunk's ``enc_hash``, the received one differs); the rest is an accusation: the accused
+        stops relaying at once, and is banned when ``relay_report_quorum`` distinct peers
+        report it (a single liar can thus demote a relay to a leaf, never ban it)."""
+        v = envelope.open_envelope(data, RelayReport, replay=self.replay, allowed=self._signer_is(peer))
+        rep = v.message
+        if rep.peer_id != peer:
+            raise MeaningError("relay report names another reporter")
+        if rep.accused == peer:
+            raise MeaningError("a node cannot report itself")
+        pub = self.publisher.recent.get(rep.version)
+        if pub is None:
+            # Too old (or never published): nothing to check it against; not held against anyone.
+            return envelope.seal(self.identity, ErrorReply(code="ok", message="version no longer known; ignored"))
+        chunks = pub.packed.manifest.chunks
+        if rep.index >= len(chunks) or chunks[rep.index].enc_hash != rep.expected_hash:
+            raise MeaningError(f"chunk {rep.index} of v{rep.version} does not have the expected hash reported")
+        if rep.got_hash == rep.expected_hash:
+            raise MeaningError("the reported chunk matches the manifest")
+        if rep.accused not in self.nodes:
+            # Only admitted nodes relay; a made-up or departed name costs nothing to keep out.
+            return envelope.seal(self.identity, ErrorReply(code="ok", message="accused is not an admitted node; ignored"))
+        detail = f"chunk {rep.index} of v{rep.version}, reported by {peer}"
+        log.warning("relay report: %s relayed a corrupt chunk %d of v%d to %s", rep.accused, rep.index, rep.version, peer)
+        self.relay_reports_received += 1
+        self.store.record_relay_report(rep.accused, peer, rep.version, rep.index, time.time())
+        self.sender.distrust(rep.accused, f"corrupt chunk {rep.index} of v{rep.version} reported by {peer}")
+        out = self.reputation.record(rep.accused, Event.CORRUPT_RELAY, detail, reporter=peer)
+        self.store.set_reputation(rep.accused, out.score, self.reputation.snapshot(rep.accused))
+        if out.ban:
+            self.ban(rep.accused, out.ban)
+        return envelope.seal(self.identity, ErrorReply(code="ok", message="noted"))
+
     async def on_announce(self, peer: str, data: bytes) -> None:
         # only admitted nodes' announcements matter; a separate, smaller replay cache keeps a flood
         # of throw-away keys from crowding out the one that guards results
@@ -814,6 +852,7 @@ class Hub:
             "rollouts_accepted": st.accepted_rollouts,
             "stale_dropped": st.stale_dropped + self.buffer.stale_dropped,
             "refused_by_reason": dict(Counter(st.refused_by_reason) + self.refusals + self._edge_refusals()),
+            "relay_reports": self.relay_reports_received,
             "tasks_issued": st.issued,
             "tasks_expired": st.expired,
             "tasks_declined": st.declined,
@@ -879,6 +918,7 @@ class Hub:
             host.set_handler(RESULT, self.on_result, max_request=MAX_RESULT)
             host.set_handler(DECLINE, self.on_decline, max_request=MAX_CONTROL_REQUEST)
             host.set_handler(HOLDS, self.on_holds, max_request=MAX_CONTROL_REQUEST)
+            host.set_handler(REPORT, self.on_relay_report, max_request=MAX_CONTROL_REQUEST)
             await host.subscribe(ANNOUNCE_TOPIC, self.on_announce)
             async with trio.open_nursery() as nursery:
                 server = DataPlaneServer(

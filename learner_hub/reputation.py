@@ -33,6 +33,7 @@ class Event(StrEnum):
     FORGED = "forged"  # provably false data
     OVERCLAIM = "overclaim"  # announced rate far above the measured one
     TIMEOUT = "timeout"  # an assigned task expired unanswered
+    CORRUPT_RELAY = "corrupt_relay"  # a peer reports it relayed a chunk off the signed manifest
 
 
 @dataclass(frozen=True)
@@ -46,11 +47,17 @@ class ReputationConfig:
     max_mismatches: int = 3
     ban_below: float = 0.02
     overclaim_ratio: float = 3.0  # claimed / measured above this is an overclaim
+    # A corrupt-relay report is an accusation (the relayed bytes carry no relay signature): each
+    # distinct reporter costs the accused this factor, and this many distinct reporters ban it.
+    corrupt_relay_factor: float = 0.7
+    relay_report_quorum: int = 2
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.initial <= 1.0 or not 0.0 < self.gain < 1.0:
             raise ValueError("need 0 <= initial <= 1 and 0 < gain < 1")
-        for f in (self.mismatch_factor, self.overclaim_factor, self.timeout_factor):
+        if self.relay_report_quorum < 1:
+            raise ValueError("relay_report_quorum must be >= 1")
+        for f in (self.mismatch_factor, self.overclaim_factor, self.timeout_factor, self.corrupt_relay_factor):
             if not 0.0 <= f <= 1.0:
                 raise ValueError("penalty factors must be in [0, 1]")
         if self.window < 1 or not 1 <= self.max_mismatches <= self.window:
@@ -65,6 +72,7 @@ class NodeReputation:
     mismatches: int = 0
     forged: int = 0
     banned: str | None = None
+    relay_reporters: set[str] = field(default_factory=set)  # who reported it relaying corrupt chunks
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -74,6 +82,7 @@ class NodeReputation:
             "mismatches": self.mismatches,
             "forged": self.forged,
             "banned": self.banned,
+            "relay_reporters": sorted(self.relay_reporters),
         }
 
 
@@ -104,8 +113,9 @@ class ReputationBook:
         r = self._nodes.get(peer_id)
         return r is not None and r.banned is not None
 
-    def record(self, peer_id: str, event: Event, detail: str = "") -> Outcome:
-        """Apply ``event``; ``Outcome.ban`` is the reason when the node must now be banned."""
+    def record(self, peer_id: str, event: Event, detail: str = "", *, reporter: str | None = None) -> Outcome:
+        """Apply ``event``; ``Outcome.ban`` is the reason when the node must now be banned.
+        ``CORRUPT_RELAY`` needs ``reporter``: a reporter counts once, however often it reports."""
         c = self.config
         r = self.get(peer_id)
         ban: str | None = None
@@ -132,6 +142,16 @@ class ReputationBook:
             r.score *= c.overclaim_factor
         elif event is Event.TIMEOUT:
             r.score *= c.timeout_factor
+        elif event is Event.CORRUPT_RELAY:
+            if not reporter or reporter == peer_id:
+                raise ValueError("a corrupt-relay report needs a reporter other than the accused")
+            if reporter not in r.relay_reporters:
+                r.relay_reporters.add(reporter)
+                r.score *= c.corrupt_relay_factor
+            if len(r.relay_reporters) >= c.relay_report_quorum:
+                ban = f"relayed corrupt chunks (reported by {len(r.relay_reporters)} peers)" + (
+                    f": {detail}" if detail else ""
+                )
         else:  # pragma: no cover - exhaustive over Event
             raise ValueError(f"unknown event {event!r}")
         r.score = min(1.0, max(0.0, r.score))
@@ -168,6 +188,9 @@ class ReputationBook:
                 setattr(r, k, v)
         b = state.get("banned")
         r.banned = b if isinstance(b, str) else None
+        reporters = state.get("relay_reporters")
+        if isinstance(reporters, list):
+            r.relay_reporters = {x for x in reporters[:1000] if isinstance(x, str)}
         self._nodes[peer_id] = r
 
 

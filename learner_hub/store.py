@@ -130,6 +130,17 @@ MIGRATIONS: list[str] = [
         value TEXT NOT NULL
     );
     """,
+    # 3: peers' reports of corrupt relayed chunks (one row per reporter, accused and chunk)
+    """
+    CREATE TABLE relay_reports (
+        accused TEXT NOT NULL,
+        reporter TEXT NOT NULL,
+        version INTEGER NOT NULL,
+        chunk_index INTEGER NOT NULL,
+        at REAL NOT NULL,
+        PRIMARY KEY (accused, reporter, version, chunk_index)
+    );
+    """,
 ]
 
 
@@ -343,6 +354,23 @@ class HubStore:
                 (peer_id,),
             )
             return cur.rowcount > 0
+
+    def record_relay_report(self, accused: str, reporter: str, version: int, index: int, now: float) -> None:
+        with self._tx() as db:
+            db.execute(
+                "INSERT OR IGNORE INTO relay_reports (accused, reporter, version, chunk_index, at)"
+                " VALUES (?, ?, ?, ?, ?)",
+                (accused, reporter, int(version), int(index), now),
+            )
+
+    def relay_reports(self, accused: str | None = None) -> list[tuple[str, str, int, int, float]]:
+        """(accused, reporter, version, chunk index, time) rows, oldest first."""
+        sql = "SELECT accused, reporter, version, chunk_index, at FROM relay_reports"
+        args: tuple[Any, ...] = ()
+        if accused is not None:
+            sql += " WHERE accused = ?"
+            args = (accused,)
+        return [(str(a), str(r), int(v), int(i), float(t)) for a, r, v, i, t in self._read(sql + " ORDER BY at", args)]
 
     def ban_reason(self, peer_id: str) -> str | None:
         """The ban reason if ``peer_id`` is banned, else None (the admission callback)."""

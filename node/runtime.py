@@ -30,6 +30,7 @@ from echo2.protocol.messages import (
     Announce,
     Heartbeat,
     HoldsVersion,
+    RelayReport,
     Result,
     Task,
     TaskDecline,
@@ -42,6 +43,7 @@ from echo2.protocol.wire import (
     HOLDS,
     MAX_CONTROL_REQUEST,
     MAX_TASK,
+    REPORT,
     RESULT,
     WORK,
     WORK_POLL_S,
@@ -57,6 +59,8 @@ log = logging.getLogger(__name__)
 
 # The hub is the one peer a node cannot work without: retry it often (jittered), but not in a loop.
 HUB_BACKOFF_CAP_S = 5.0
+#: Relay reports waiting for the hub (one per corrupt chunk seen); more are dropped, not queued.
+MAX_PENDING_REPORTS = 64
 
 
 @dataclass
@@ -119,6 +123,8 @@ class Node:
         self.reachable = False
         self._measured_version = -1
         self._pending_holds: HoldsVersion | None = None
+        # reports of peers that relayed us corrupt chunks, sent to the hub by the heartbeat loop
+        self._pending_reports: list[RelayReport] = []
 
     @property
     def peer_id(self) -> str:
@@ -296,6 +302,34 @@ class Node:
 
     def _on_evidence(self, version: int, evidence: Any) -> None:
         log.warning("version %d: peer %s sent a corrupt chunk %d (routed around)", version, evidence.peer, evidence.index)
+        if evidence.peer == self.hub_peer or len(self._pending_reports) >= MAX_PENDING_REPORTS:
+            return  # the hub's own chunks are not a relay's doing; and the queue stays bounded
+        self._pending_reports.append(
+            RelayReport(
+                peer_id=self.peer_id,
+                accused=evidence.peer,
+                version=version,
+                index=evidence.index,
+                expected_hash=evidence.expected_hash,
+                got_hash=evidence.got_hash,
+            )
+        )
+
+    async def _send_reports(self, host: ControlHost) -> None:
+        while self._pending_reports:
+            rep = self._pending_reports[0]
+            try:
+                await host.request(
+                    self.hub_peer, REPORT, envelope.seal(self.identity, rep), max_response=MAX_CONTROL_REQUEST, timeout_s=10
+                )
+            except RemoteError as exc:  # the hub refused it: sending it again would not help
+                log.warning("relay report on %s refused by the hub: %s", rep.accused, exc)
+            except Echo2Error as exc:
+                log.debug("relay report failed (will retry): %s", exc)
+                return
+            else:
+                log.info("reported %s to the hub: corrupt chunk %d of v%d", rep.accused, rep.index, rep.version)
+            self._pending_reports.pop(0)
 
     async def _load(self, held: HeldVersion, receive_s: float) -> None:
         m = held.manifest
@@ -343,6 +377,8 @@ class Node:
                     self._pending_holds = None
                 except Echo2Error as exc:
                     log.debug("holds report failed: %s", exc)
+            if self._pending_reports:
+                await self._send_reports(host)
             if time.monotonic() - last_announce > 30:
                 try:
                     await host.publish(ANNOUNCE_TOPIC, envelope.seal(self.identity, self._announce(host), ttl_s=120))

@@ -637,6 +637,35 @@ class HoldsVersion(Message):
 
 
 @dataclass(frozen=True)
+class RelayReport(Message):
+    """A node's report that a peer relayed it a chunk that does not match the hub-signed manifest.
+
+    Signed by the reporter (``peer_id``). The hub checks what it can: that ``expected_hash`` is
+    the manifest's ``enc_hash`` of chunk ``index`` of ``version`` and that ``got_hash`` differs
+    from it. The bytes themselves are not signed by the relay, so one report is an accusation,
+    not proof: the hub stops using the accused as a relay at once and bans it only when enough
+    distinct peers report it (``relay_report_quorum``).
+    """
+
+    TYPE: ClassVar[str] = "relay_report"
+    MAX_SIZE: ClassVar[int] = 4 * KiB
+    SPEC: ClassVar[dict[str, Spec]] = {
+        "peer_id": _PEER,
+        "accused": _PEER,
+        "version": _VERSION,
+        "index": Int(0, 1 << 24),
+        "expected_hash": _HASH,
+        "got_hash": _HASH,
+    }
+    peer_id: str
+    accused: str
+    version: int
+    index: int
+    expected_hash: bytes
+    got_hash: bytes
+
+
+@dataclass(frozen=True)
 class ErrorReply(Message):
     TYPE: ClassVar[str] = "error"
     MAX_SIZE: ClassVar[int] = 8 * KiB
@@ -689,6 +718,7 @@ MESSAGE_TYPES: dict[str, type[Message]] = {
         ChunkHave,
         ChunkRequest,
         HoldsVersion,
+        RelayReport,
         ErrorReply,
         ProbeReply,
     )

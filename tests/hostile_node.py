@@ -15,7 +15,9 @@ Modes:
                 result for another node's task (id guessed from the hub's id scheme);
 * ``stall``     receives the first policy version, then never reads its downlink again while
                 staying connected (a peer that stops reading);
-* ``slow``      sleeps inside ``generate`` until past the task's deadline.
+* ``slow``      sleeps inside ``generate`` until past the task's deadline;
+* ``corrupt``   flips a byte of every chunk it relays, and claims a huge upload so that the
+                hub's planner makes it a relay (with many children) in a pipelined broadcast.
 
 What the node observed (the hub's reply to each hostile action) goes to ``DIR/hostile.json``;
 while a task runs, its id is in ``DIR/current_task``.
@@ -24,6 +26,7 @@ while a task runs, its id is in ``DIR/current_task``.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
 import math
@@ -51,7 +54,8 @@ from echo2.protocol.wire import MAX_CONTROL_REQUEST, RESULT
 
 log = logging.getLogger("hostile_node")
 
-MODES = ("honest", "logprobs", "forge", "stall", "slow")
+MODES = ("honest", "logprobs", "forge", "stall", "slow", "corrupt")
+CLAIMED_UPLOAD_MBPS = 10_000.0  # the corrupt relay's claim: the fastest uplink in the swarm
 LOGPROB_SHIFT = -0.5  # downwards: log-probs must stay <= 0 or the schema check refuses them first
 SLOW_MARGIN_S = 2.5  # past the deadline, so the hub's 1 s housekeeping has expired the task
 
@@ -121,16 +125,33 @@ class StallingRelay(RelayNode):
         await trio.sleep_forever()
 
 
+class CorruptingRelay(RelayNode):
+    """A policy downlink whose every relayed chunk has one byte flipped (valid framing, valid
+    frame key: only the check against the hub-signed manifest catches it)."""
+
+    def __init__(self, *args: Any, **kw: Any) -> None:
+        super().__init__(*args, **kw)
+        self.cfg = dataclasses.replace(self.cfg, corrupt_sends=True)
+
+
 class HostileNode(Node):
     def __init__(self, cfg: NodeConfig, mode: str) -> None:
         super().__init__(cfg)
         self.mode = mode
         if mode == "stall":
             self.relay_cls = StallingRelay
+        elif mode == "corrupt":
+            self.relay_cls = CorruptingRelay
         self.report: dict[str, Any] = {"mode": mode, "peer_id": self.peer_id, "actions": []}
         self._own_tasks: dict[str, Task] = {}
         self._forged = False
         self._write_report()
+
+    def _announce(self, host: Any) -> Any:
+        a = super()._announce(host)
+        if self.mode == "corrupt":
+            a = dataclasses.replace(a, upload_MBps=CLAIMED_UPLOAD_MBPS)
+        return a
 
     def _write_report(self) -> None:
         path = self.cfg.data_dir / "hostile.json"

@@ -1,8 +1,9 @@
 """Hostile nodes with real processes: each runs beside two honest nodes and must be refused,
 recorded with its reason, banned where the reputation rules say so, and must not stop the run.
 
-The adversary is tests/hostile_node.py: a real echo2 Node with altered behaviour. Relaying
-corrupt chunks belongs to the relay runtime and is tested there.
+The adversary is tests/hostile_node.py: a real echo2 Node with altered behaviour. How a node
+routes around a corrupt relay is tested in test_relay_runtime.py; here the relay is reported to
+the hub, recorded and banned.
 """
 
 from __future__ import annotations
@@ -116,3 +117,52 @@ def test_forged_and_replayed_results_are_refused(tmp_path: Path) -> None:
         wait_until(lambda: query(tmp_path, "SELECT 1 FROM admissions WHERE peer_id = ? AND admitted = 0 AND code = 'banned'",
                                  (bad,)), 30, "re-admission of the banned node refused")
         wait_until(lambda: hostile.poll() is not None, 20, "banned node exits")
+
+
+@pytest.mark.slow
+@pytest.mark.ci
+@pytest.mark.e2e
+@pytest.mark.timeout(240)
+def test_corrupt_relay_is_reported_and_banned(tmp_path: Path) -> None:
+    # Pipelined broadcast with a hub uplink slow enough that nodes relay, small chunks so a
+    # version has many, and a relay that flips a byte of every chunk it forwards and claims the
+    # fastest uplink (so the planner gives it children). Its children find the chunks off the
+    # signed manifest, take them from elsewhere and report it; two reporters ban it. It joins
+    # once the three honest nodes hold a version, so that its first plan gives it several
+    # children (with a single child, the one report only demotes it to a leaf, by design).
+    steps = 100
+    cfg = small_cfg(steps, broadcast="pipelined", upload_limit_MBps=20.0, chunk_bytes=64 * 1024)
+    with LocalSwarm(tmp_path, cfg, n_nodes=3) as swarm:
+        swarm.start_hub()
+        for i in range(3):
+            swarm.start_node(i)
+
+        def honest_ready() -> bool:
+            st = swarm.status() or {}
+            return sum(1 for n in st.get("nodes", []) if n.get("held_version", -1) >= 0) >= 3
+
+        wait_until(honest_ready, 120, lambda: f"three honest nodes hold a version\n{logs(tmp_path)}")
+        hostile = start_hostile(swarm, 3, "corrupt")
+        wait_until(lambda: (tmp_path / "node3" / "hostile.json").exists(), 60, "hostile node started")
+        bad = peer_of(tmp_path / "node3")
+        reports = wait_until(
+            lambda: query(tmp_path, "SELECT reporter, version, chunk_index FROM relay_reports WHERE accused = ?", (bad,)),
+            150,
+            lambda: f"no relay report on the corrupt relay\n{logs(tmp_path)}",
+        )
+        st = swarm.wait(150)
+        assert_run_ok(st, steps, tmp_path)
+        honest = {peer_of(tmp_path / f"node{i}") for i in range(3)}
+        reports = query(tmp_path, "SELECT reporter, accused FROM relay_reports")
+        # only the corrupt relay was reported, and only by honest nodes
+        assert {a for _, a in reports} == {bad}, reports
+        assert {r for r, _ in reports} <= honest, reports
+        bans = dict(query(tmp_path, "SELECT peer_id, ban_reason FROM nodes WHERE banned = 1"))
+        assert set(bans) == {bad}, f"bans {bans}\n{logs(tmp_path)}"
+        assert "relayed corrupt chunks" in bans[bad]
+        assert len({r for r, _ in reports}) >= cfg.relay_report_quorum
+        wait_until(lambda: hostile.poll() is not None, 30, "banned node exits")
+        assert st is not None and st["relay_reports"] >= 2
+        # every honest node still ends with the final version, verified against the manifest
+        held = {n["peer_id"]: n.get("held_version") for n in st["nodes"]}
+        assert set(held) <= honest

@@ -51,6 +51,7 @@ def corpus() -> list[bytes]:
         messages.ChunkHave(PEER, 3, b"\xf0\x01"),
         messages.ChunkRequest(3, [0, 5, 9]),
         messages.HoldsVersion(PEER, 3, 1.0),
+        messages.RelayReport(PEER, IDENTITIES[1].peer_id, 3, 7, b"\x03" * 32, b"\x04" * 32),
         messages.ErrorReply("schema", "bad"),
         messages.ProbeReply(PEER, b"\x02" * 16, NOW, True, "dialled back", "127.0.0.1:9"),
     ]
