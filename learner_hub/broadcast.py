@@ -125,6 +125,11 @@ class _HubSide:
         """Never use ``peer`` as a relay again (it was reported relaying corrupt chunks). The
         star sender has no relays: nothing to do."""
 
+    def was_parent(self, version: int, node: str, index: int, parent: str) -> bool:
+        """Did a plan of ``version`` make ``parent`` the node's parent for chunk ``index``? (The
+        only peers whose corrupt chunks a node can report; the star sender has none.)"""
+        return False
+
     def info(self, peer: str) -> PeerInfo | None:
         if self.node_info is not None:
             got = self.node_info(peer)
@@ -249,6 +254,9 @@ class PipelinedSender(_HubSide):
         self.demoted: dict[str, int] = {}
         # peers reported relaying corrupt chunks: leaves in every plan, for good
         self.distrusted: set[str] = set()
+        # version -> (node, stripe) -> every parent a plan (or repair) of it gave the node
+        self._parents: dict[int, dict[tuple[str, int], set[str]]] = {}
+        self._stripes: dict[int, int] = {}
         self._started_at = 0.0  # trio clock when the current version's broadcast began
 
     # --- planning ------------------------------------------------------------------------------
@@ -298,6 +306,7 @@ class PipelinedSender(_HubSide):
         metrics = self._metrics_for(pub)
         metrics.nodes = len(plan.nodes)
         self.cur = _Current(pub, plan, relay, self._plan_message(plan), metrics)
+        self._remember(plan)
         self._started_at = trio.current_time()
         log.info("broadcast v%d: %d nodes, %d stripes, depth %d", pub.version, len(plan.nodes), plan.stripes, plan.max_depth())
         for link in self.links.values():
@@ -311,6 +320,7 @@ class PipelinedSender(_HubSide):
         if cur is None:
             return
         cur.plan = replan(cur.plan, left=left, joined=joined)
+        self._remember(cur.plan)
         cur.plan_env = self._plan_message(cur.plan)
         cur.metrics.replans += 1
         log.info("broadcast v%d repaired: -%s +%s", cur.pub.version, list(left), [j.node_id for j in joined])
@@ -336,6 +346,23 @@ class PipelinedSender(_HubSide):
         if self._is_interior(cur, peer):
             # Out and back in as a leaf: its children move, with their subtrees, to live parents.
             self._repair(left=[peer], joined=[NodeInfo(peer, 0.0, False)])
+
+    def _remember(self, plan: Plan) -> None:
+        seen = self._parents.setdefault(plan.version, {})
+        self._stripes[plan.version] = plan.stripes
+        for stripe, parents in enumerate(plan.parent):
+            for node, parent in parents.items():
+                seen.setdefault((node, stripe), set()).add(parent)
+        for old in sorted(self._parents)[:-16]:  # as many versions as the publisher keeps
+            del self._parents[old]
+            self._stripes.pop(old, None)
+
+    def was_parent(self, version: int, node: str, index: int, parent: str) -> bool:
+        seen = self._parents.get(version)
+        stripes = self._stripes.get(version, 0)
+        if not seen or stripes < 1:
+            return False
+        return parent in seen.get((node, index % stripes), ())
 
     def distrust(self, peer: str, why: str) -> None:
         if peer in self.distrusted:

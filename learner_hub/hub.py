@@ -38,7 +38,7 @@ from echo2.protocol.messages import (
     TaskDecline,
     task_hash,
 )
-from echo2.protocol.net.control import ANNOUNCE_TOPIC, ControlHost
+from echo2.protocol.net.control import ANNOUNCE_TOPIC, ControlHost, RequestLimits
 from echo2.protocol.net.dataplane import DataPlaneServer
 from echo2.protocol.net.peerlimit import KeyedRateLimiter
 from echo2.protocol.net.ratelimit import UploadLimiter
@@ -189,6 +189,8 @@ class Hub:
         for rec in self.store.list_nodes():
             if rec.rep_state:
                 self.reputation.restore(rec.peer_id, rec.rep_state)
+                if self.reputation.get(rec.peer_id).relay_reporters:
+                    self.sender.distrust(rec.peer_id, "reported relaying corrupt chunks before a restart")
         self.admission = AdmissionPolicy(
             cfg.admission,
             cfg.allowlist,
@@ -542,11 +544,20 @@ class Hub:
         if rep.accused not in self.nodes:
             # Only admitted nodes relay; a made-up or departed name costs nothing to keep out.
             return envelope.seal(self.identity, ErrorReply(code="ok", message="accused is not an admitted node; ignored"))
-        detail = f"chunk {rep.index} of v{rep.version}, reported by {peer}"
-        log.warning("relay report: %s relayed a corrupt chunk %d of v%d to %s", rep.accused, rep.index, rep.version, peer)
+        if not self.sender.was_parent(rep.version, peer, rep.index, rep.accused):
+            # A node can only accuse the parent the hub's own plan gave it for that chunk, so a
+            # liar cannot pick its victims (it may still pull from other peers; those chunks are
+            # verified all the same, but reports about them are not evidence the hub can place).
+            return envelope.seal(self.identity, ErrorReply(code="ok", message="accused was not its parent for that chunk; ignored"))
+        rep_state = self.reputation.get(rep.accused)
+        new_reporter = peer not in rep_state.relay_reporters
         self.relay_reports_received += 1
         self.store.record_relay_report(rep.accused, peer, rep.version, rep.index, time.time())
+        if not new_reporter:
+            return envelope.seal(self.identity, ErrorReply(code="ok", message="noted (already reported by this peer)"))
+        log.warning("relay report: %s relayed a corrupt chunk %d of v%d to %s", rep.accused, rep.index, rep.version, peer)
         self.sender.distrust(rep.accused, f"corrupt chunk {rep.index} of v{rep.version} reported by {peer}")
+        detail = f"chunk {rep.index} of v{rep.version}, reported by {peer}"
         out = self.reputation.record(rep.accused, Event.CORRUPT_RELAY, detail, reporter=peer)
         self.store.set_reputation(rep.accused, out.score, self.reputation.snapshot(rep.accused))
         if out.ban:
@@ -911,7 +922,12 @@ class Hub:
 
     # --- main ------------------------------------------------------------------------------------
     async def run(self) -> int:
-        async with ControlHost(self.identity, listen_port=self.cfg.listen_port, listen_host=self.cfg.listen_host) as host:
+        # Relay reports are rare for honest nodes (one per corrupt parent and version): a tight
+        # per-peer budget keeps a liar from filling the database.
+        limits = RequestLimits(per_protocol={REPORT: (1.0, 16.0)})
+        async with ControlHost(
+            self.identity, listen_port=self.cfg.listen_port, listen_host=self.cfg.listen_host, limits=limits
+        ) as host:
             self._host = host
             host.set_handler(ADMISSION, self.on_admission, max_request=MAX_CONTROL_REQUEST)
             host.set_handler(WORK, self.on_work, max_request=MAX_CONTROL_REQUEST)

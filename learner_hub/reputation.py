@@ -155,7 +155,9 @@ class ReputationBook:
         else:  # pragma: no cover - exhaustive over Event
             raise ValueError(f"unknown event {event!r}")
         r.score = min(1.0, max(0.0, r.score))
-        if ban is None and r.score < c.ban_below and event is not Event.ACCEPTED:
+        # Reports are accusations: only the quorum of distinct reporters bans on them, never a
+        # score that reports (on top of, say, timeouts) pushed low.
+        if ban is None and r.score < c.ban_below and event not in (Event.ACCEPTED, Event.CORRUPT_RELAY):
             ban = f"reputation {r.score:.3f} fell below {c.ban_below}"
         if ban is not None and r.banned is None:
             r.banned = ban
@@ -167,6 +169,7 @@ class ReputationBook:
         r = self.get(peer_id)
         r.banned = None
         r.checks.clear()
+        r.relay_reporters.clear()
         r.score = self.config.initial
 
     def snapshot(self, peer_id: str) -> dict[str, Any]:

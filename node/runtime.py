@@ -61,6 +61,8 @@ log = logging.getLogger(__name__)
 HUB_BACKOFF_CAP_S = 5.0
 #: Relay reports waiting for the hub (one per corrupt chunk seen); more are dropped, not queued.
 MAX_PENDING_REPORTS = 64
+#: Error codes after which a report is worth sending again later.
+_TRANSIENT_CODES = frozenset({"rate_limited", "busy", "timeout", "internal", "not_admitted", "too_many_streams"})
 
 
 @dataclass
@@ -125,6 +127,7 @@ class Node:
         self._pending_holds: HoldsVersion | None = None
         # reports of peers that relayed us corrupt chunks, sent to the hub by the heartbeat loop
         self._pending_reports: list[RelayReport] = []
+        self._reported: set[tuple[str, int]] = set()
 
     @property
     def peer_id(self) -> str:
@@ -304,6 +307,12 @@ class Node:
         log.warning("version %d: peer %s sent a corrupt chunk %d (routed around)", version, evidence.peer, evidence.index)
         if evidence.peer == self.hub_peer or len(self._pending_reports) >= MAX_PENDING_REPORTS:
             return  # the hub's own chunks are not a relay's doing; and the queue stays bounded
+        key = (evidence.peer, version)
+        if key in self._reported:
+            return  # the hub counts reporters, not chunks: one report per parent and version
+        self._reported.add(key)
+        if len(self._reported) > 4 * MAX_PENDING_REPORTS:
+            self._reported.clear()
         self._pending_reports.append(
             RelayReport(
                 peer_id=self.peer_id,
@@ -322,7 +331,11 @@ class Node:
                 await host.request(
                     self.hub_peer, REPORT, envelope.seal(self.identity, rep), max_response=MAX_CONTROL_REQUEST, timeout_s=10
                 )
-            except RemoteError as exc:  # the hub refused it: sending it again would not help
+            except RemoteError as exc:
+                if exc.code in _TRANSIENT_CODES:
+                    log.debug("relay report deferred (%s); will retry", exc.code)
+                    return
+                # the hub refused it for what it says: sending it again would not help
                 log.warning("relay report on %s refused by the hub: %s", rep.accused, exc)
             except Echo2Error as exc:
                 log.debug("relay report failed (will retry): %s", exc)

@@ -11,6 +11,7 @@ from test_hub_results import admit
 
 from echo2.learner_hub.config import HubConfig
 from echo2.learner_hub.hub import Hub
+from echo2.learner_hub.planner import NodeInfo, plan_broadcast
 from echo2.learner_hub.reputation import Event, ReputationBook, ReputationConfig
 from echo2.protocol import envelope
 from echo2.protocol.errors import MeaningError
@@ -29,6 +30,13 @@ def test_one_reporter_never_bans_and_counts_once() -> None:
     out = book.record("relay", Event.CORRUPT_RELAY, "c0", reporter="b")
     assert out.ban is not None and "reported by 2 peers" in out.ban
     assert book.is_banned("relay")
+
+
+def test_reports_never_ban_through_the_score() -> None:
+    # Many reporters below the quorum push the score down, but only the quorum bans.
+    book = ReputationBook(ReputationConfig(relay_report_quorum=50, ban_below=0.3))
+    outs = [book.record("relay", Event.CORRUPT_RELAY, reporter=f"r{i}") for i in range(10)]
+    assert outs[-1].score < 0.3 and all(o.ban is None for o in outs)
 
 
 def test_quorum_one_bans_at_once_and_reporters_survive_a_restart() -> None:
@@ -53,17 +61,35 @@ def test_report_needs_another_reporter() -> None:
 
 @pytest.fixture()
 def hub(tmp_path: Path) -> Hub:
-    cfg = HubConfig(dir=str(tmp_path), steps=10, prompts_per_step=2, group_size=4, staleness=1, max_new_tokens=4)
+    cfg = HubConfig(
+        dir=str(tmp_path), steps=10, prompts_per_step=2, group_size=4, staleness=1, max_new_tokens=4,
+        broadcast="pipelined", upload_limit_MBps=10.0, chunk_bytes=64 * 1024,
+    )
     h = Hub(cfg)
     trio.run(h.publish)  # version 0: the manifest reports are checked against
     return h
 
 
+def plan_with_relay(hub: Hub, relay: str, leaves: list[str]) -> int:
+    """Plan version 0 with the real planner: a 1 MB/s hub, ``relay`` by far the fastest uplink
+    (interior, with room for every other node in its stripe). Returns a chunk index of that
+    stripe, where ``relay`` is every other node's parent."""
+    infos = [NodeInfo(relay, 1e9, True)] + [NodeInfo(n, 1e6, True) for n in leaves]
+    n_chunks = len(hub.publisher.recent[0].packed.manifest.chunks)
+    plan = plan_broadcast(0, 1e6, infos, n_chunks, hub=hub.identity.peer_id, stripes=2)
+    hub.sender._remember(plan)
+    for index in range(n_chunks):
+        if all(plan.parent[index % plan.stripes][n] == relay for n in leaves):
+            return index
+    raise AssertionError(f"the planner made {relay} nobody's parent: {plan.parent}")
+
+
 def report(hub: Hub, reporter: Identity, accused: str, **kw: object) -> RelayReport:
-    chunk = hub.publisher.recent[0].packed.manifest.chunks[0]
+    index = int(kw.pop("index", 0))  # type: ignore[call-overload]
+    chunks = hub.publisher.recent[0].packed.manifest.chunks
     fields: dict[str, object] = dict(
-        peer_id=reporter.peer_id, accused=accused, version=0, index=0,
-        expected_hash=chunk.enc_hash, got_hash=bytes(32),
+        peer_id=reporter.peer_id, accused=accused, version=0, index=index,
+        expected_hash=chunks[index % len(chunks)].enc_hash, got_hash=bytes(32),
     )
     fields.update(kw)
     return RelayReport(**fields)  # type: ignore[arg-type]
@@ -78,36 +104,74 @@ def test_two_reporters_ban_the_relay_and_everything_is_recorded(hub: Hub) -> Non
     relay, a, b = Identity.generate(), Identity.generate(), Identity.generate()
     for n in (relay, a, b):
         assert admit(hub, n).admitted
-    assert send(hub, a, report(hub, a, relay.peer_id)) == "noted"
+    i = plan_with_relay(hub, relay.peer_id, [a.peer_id, b.peer_id])
+    assert send(hub, a, report(hub, a, relay.peer_id, index=i)) == "noted"
     assert relay.peer_id in hub.nodes and hub.store.ban_reason(relay.peer_id) is None
-    assert send(hub, a, report(hub, a, relay.peer_id, index=0, got_hash=b"\x01" * 32)) == "noted"
+    assert relay.peer_id in hub.sender.distrusted  # a leaf in every later plan already
+    again = send(hub, a, report(hub, a, relay.peer_id, index=i, got_hash=b"\x01" * 32))
+    assert "already reported" in again
     assert hub.store.ban_reason(relay.peer_id) is None  # the same reporter again: still one
-    assert send(hub, b, report(hub, b, relay.peer_id)) == "noted"
+    assert send(hub, b, report(hub, b, relay.peer_id, index=i)) == "noted"
     reason = hub.store.ban_reason(relay.peer_id)
     assert reason is not None and "relayed corrupt chunks (reported by 2 peers)" in reason
     assert relay.peer_id not in hub.nodes
     rows = hub.store.relay_reports(relay.peer_id)
-    assert {(r[1], r[2], r[3]) for r in rows} == {(a.peer_id, 0, 0), (b.peer_id, 0, 0)}
+    assert {(r[1], r[2], r[3]) for r in rows} == {(a.peer_id, 0, i), (b.peer_id, 0, i)}
     assert hub.relay_reports_received == 3
+
+
+def test_a_node_can_only_accuse_its_own_parent(hub: Hub) -> None:
+    relay, a, b = Identity.generate(), Identity.generate(), Identity.generate()
+    for n in (relay, a, b):
+        admit(hub, n)
+    i = plan_with_relay(hub, relay.peer_id, [a.peer_id, b.peer_id])
+    # b was never a's parent: a liar cannot pick its victim
+    assert "not its parent" in send(hub, a, report(hub, a, b.peer_id, index=i))
+    assert hub.store.relay_reports() == [] and b.peer_id not in hub.sender.distrusted
+
+
+def test_reports_survive_a_restart_and_a_pardon_clears_them(hub: Hub, tmp_path: Path) -> None:
+    relay, a = Identity.generate(), Identity.generate()
+    for n in (relay, a):
+        admit(hub, n)
+    i = plan_with_relay(hub, relay.peer_id, [a.peer_id])
+    send(hub, a, report(hub, a, relay.peer_id, index=i))
+    again = Hub(hub.cfg)  # same directory: the restarted hub
+    assert again.reputation.get(relay.peer_id).relay_reporters == {a.peer_id}
+    assert relay.peer_id in again.sender.distrusted
+    again.reputation.unban(relay.peer_id)
+    assert again.reputation.get(relay.peer_id).relay_reporters == set()
 
 
 def test_reports_that_do_not_check_out_are_refused(hub: Hub) -> None:
     relay, a = Identity.generate(), Identity.generate()
     for n in (relay, a):
         admit(hub, n)
-    good = report(hub, a, relay.peer_id)
+    i = plan_with_relay(hub, relay.peer_id, [a.peer_id])
+    good = report(hub, a, relay.peer_id, index=i)
     with pytest.raises(MeaningError, match="expected hash"):
-        send(hub, a, report(hub, a, relay.peer_id, expected_hash=b"\x02" * 32))
+        send(hub, a, report(hub, a, relay.peer_id, index=i, expected_hash=b"\x02" * 32))
     with pytest.raises(MeaningError, match="expected hash"):
         send(hub, a, report(hub, a, relay.peer_id, index=10_000))
     with pytest.raises(MeaningError, match="matches the manifest"):
-        send(hub, a, report(hub, a, relay.peer_id, got_hash=good.expected_hash))
+        send(hub, a, report(hub, a, relay.peer_id, index=i, got_hash=good.expected_hash))
     with pytest.raises(MeaningError, match="itself"):
-        send(hub, a, report(hub, a, a.peer_id))
+        send(hub, a, report(hub, a, a.peer_id, index=i))
     with pytest.raises(MeaningError, match="another reporter"):
-        send(hub, a, report(hub, a, Identity.generate().peer_id, peer_id=relay.peer_id))
+        send(hub, a, report(hub, a, Identity.generate().peer_id, index=i, peer_id=relay.peer_id))
     # not a node of this hub, or a version it no longer knows: ignored, held against no one
-    assert "ignored" in send(hub, a, report(hub, a, Identity.generate().peer_id))
-    assert "ignored" in send(hub, a, report(hub, a, relay.peer_id, version=99))
+    assert "ignored" in send(hub, a, report(hub, a, Identity.generate().peer_id, index=i))
+    assert "ignored" in send(hub, a, report(hub, a, relay.peer_id, index=i, version=99))
     assert hub.store.relay_reports() == []
     assert hub.reputation.get(relay.peer_id).relay_reporters == set()
+
+
+def test_star_broadcast_has_no_relays_to_accuse(tmp_path: Path) -> None:
+    cfg = HubConfig(dir=str(tmp_path), steps=10, prompts_per_step=2, group_size=4, staleness=1, max_new_tokens=4)
+    h = Hub(cfg)
+    trio.run(h.publish)
+    relay, a = Identity.generate(), Identity.generate()
+    for n in (relay, a):
+        admit(h, n)
+    assert "not its parent" in send(h, a, report(h, a, relay.peer_id))
+    assert h.store.relay_reports() == []
