@@ -269,6 +269,11 @@ class Node:
                 self._admitted.set()
                 self._admitted = trio.Event()
                 log.info("admitted by hub %s (staleness %d, current version %d)", self.hub_peer, d.staleness, d.current_version)
+                if self.held is not None and self._pending_holds is None:
+                    # A restarted hub knows nothing of what we hold, and a hub resumed from a
+                    # checkpoint re-publishes the same versions (identical when it retrains on the
+                    # same results): we would never load, so never report, them again.
+                    self._pending_holds = HoldsVersion(peer_id=self.peer_id, version=self.held.version, seconds=0.0)
                 return d
             except (Echo2Error, OSError) as exc:
                 log.warning("cannot reach hub (%s); retrying in %.1fs", exc, backoff)
@@ -388,6 +393,13 @@ class Node:
                         self.hub_peer, HOLDS, envelope.seal(self.identity, holds), max_response=MAX_CONTROL_REQUEST, timeout_s=10
                     )
                     self._pending_holds = None
+                except RemoteError as exc:
+                    if exc.code not in _TRANSIENT_CODES:
+                        # e.g. a version this hub never published: ours is from before its restart
+                        log.info("hub refused our holds report for v%d: %s", holds.version, exc)
+                        self._pending_holds = None
+                    else:
+                        log.debug("holds report deferred: %s", exc)
                 except Echo2Error as exc:
                     log.debug("holds report failed: %s", exc)
             if self._pending_reports:
