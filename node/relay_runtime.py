@@ -189,6 +189,7 @@ class RelayNode:
         port: int = 0,
         on_holds: OnHolds | None = None,
         on_evidence: OnEvidence | None = None,
+        on_same_version: Callable[[int], Awaitable[None] | None] | None = None,
     ) -> None:
         self.identity = identity
         self.me = identity.peer_id
@@ -198,6 +199,7 @@ class RelayNode:
         self.cfg = cfg or RelayConfig()
         self.on_holds = on_holds
         self.on_evidence = on_evidence
+        self.on_same_version = on_same_version
         self.limiter = UploadLimiter(self.cfg.upload_MBps) if self.cfg.upload_MBps > 0 else None
         self.server = DataPlaneServer(identity, self._serve, host=host, port=port, upload_limiter=self.limiter)
         self.links: dict[str, _Link] = {}
@@ -328,8 +330,19 @@ class RelayNode:
             await self._on_manifest(msg, v.raw)
 
     async def _on_manifest(self, m: Manifest, raw: bytes) -> None:
+        held = self.held
+        if held is not None and not _is_news(m, held.manifest) and m.version == held.version:
+            # The hub (re)sent the very version we hold: a hub resumed from a checkpoint that
+            # retrained the same results re-publishes it identically. It may not know we hold
+            # it (it restarted): say so, or it would never give us work.
+            await self._report_holds(held)
+            if self.on_same_version is not None:
+                res = self.on_same_version(held.version)
+                if res is not None:
+                    await res
+            return
         if not _is_news(m, self.bc.manifest if self.bc is not None else None) or not _is_news(
-            m, self.held.manifest if self.held is not None else None
+            m, held.manifest if held is not None else None
         ):
             return
         packing.verify_manifest_consistency(m)

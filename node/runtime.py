@@ -269,11 +269,6 @@ class Node:
                 self._admitted.set()
                 self._admitted = trio.Event()
                 log.info("admitted by hub %s (staleness %d, current version %d)", self.hub_peer, d.staleness, d.current_version)
-                if self.held is not None and self._pending_holds is None:
-                    # A restarted hub knows nothing of what we hold, and a hub resumed from a
-                    # checkpoint re-publishes the same versions (identical when it retrains on the
-                    # same results): we would never load, so never report, them again.
-                    self._pending_holds = HoldsVersion(peer_id=self.peer_id, version=self.held.version, seconds=0.0)
                 return d
             except (Echo2Error, OSError) as exc:
                 log.warning("cannot reach hub (%s); retrying in %.1fs", exc, backoff)
@@ -294,6 +289,7 @@ class Node:
             host=self.cfg.listen_host,
             on_holds=self._on_relay_holds,
             on_evidence=self._on_evidence,
+            on_same_version=self._on_same_version,
         )
         self.relay = relay
         await trio.lowlevel.checkpoint()
@@ -307,6 +303,14 @@ class Node:
             await self._load(HeldVersion(info.manifest, raw), info.seconds)
         except Echo2Error as exc:
             log.warning("version %d could not be loaded: %s", info.version, exc)
+
+    def _on_same_version(self, version: int) -> None:
+        # The hub sent a manifest identical to the version we hold and run (a hub resumed from a
+        # checkpoint re-publishes what it retrains identically): report holding it, since we
+        # will not load it again. Only for what the engine really runs: content equality was
+        # checked against the relay's copy, which the engine loaded.
+        if self.held is not None and self.held.version == version and self._pending_holds is None:
+            self._pending_holds = HoldsVersion(peer_id=self.peer_id, version=version, seconds=0.0)
 
     def _on_evidence(self, version: int, evidence: Any) -> None:
         log.warning("version %d: peer %s sent a corrupt chunk %d (routed around)", version, evidence.peer, evidence.index)

@@ -277,3 +277,50 @@ def test_back_to_back_delta_versions_reach_every_node(tmp_path: Path, star: bool
                 nursery.cancel_scope.cancel()
 
     trio.run(main)
+
+
+def test_a_restarted_hub_republishing_the_held_version_hears_it_is_held(tmp_path: Path) -> None:
+    # A hub resumed from a checkpoint may re-publish, byte for byte, the version a node already
+    # holds (it retrained the same results). The node will not load it again, so it must tell
+    # the new hub it holds it, or the hub would never give it work.
+    sd = _state(600_000, 7)
+
+    async def main() -> None:
+        with trio.fail_after(60):
+            sw = Swarm(tmp_path, 1, chunk=128 * 1024, up_MBps=50.0, star=True)
+            same: list[int] = []
+            async with trio.open_nursery() as nursery:
+                old_hub = trio.CancelScope()
+
+                async def serve_old(task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
+                    with old_hub:
+                        await sw.server.serve(task_status=task_status)
+
+                await nursery.start(serve_old)
+                sw.sender.data_addr = sw.server.addr
+                await sw.add_nodes(nursery)
+                node = sw.nodes[0]
+                node.on_same_version = same.append
+                await sw.publish(3, sd)
+                await sw.wait_holds(3, sw.nodes)
+                assert same == []  # a first delivery is loaded, not "the same"
+
+                # The hub dies; a new one (same key, same port, a fresh publisher) publishes the
+                # identical version 3 again.
+                port = sw.server.port
+                old_hub.cancel()
+                sw.publisher = PolicyPublisher(sw.hub_id, "{}", {}, SimpleNamespace(chunk_bytes=128 * 1024, full_every=10))
+                sw.sender = StarWithHolds(StarSender(sw.publisher))
+                sw.server = DataPlaneServer(sw.hub_id, sw.sender.serve_connection, port=port)
+                await nursery.start(sw.server.serve)
+                await sw.publish(3, sd)
+                while not same:  # bounded by the fail_after above
+                    await trio.sleep(0.05)
+                while sw.sender.holders(3) < 1:  # and its data-plane holds report reached the new hub
+                    with trio.move_on_after(0.1):
+                        await sw.sender.changed.wait()
+                assert same == [3]
+                assert node.held is not None and node.held.version == 3
+                nursery.cancel_scope.cancel()
+
+    trio.run(main)
