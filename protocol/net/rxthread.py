@@ -78,7 +78,7 @@ class Stopped(Exception):
 class ThreadedReceive:
     """Fill ``view`` from the socket ``fd`` and blake3 it, on a worker thread.
 
-    ``start()`` then ``await wait()`` (or ``await run()``) returns the digest of everything fed to ``hasher`` (a fresh one by
+    ``start()`` then ``await wait()`` returns the digest of everything fed to ``hasher`` (a fresh one by
     default; pass one to hash a body received in several buffers); it raises ``PeerClosed``, ``Stopped`` or the
     ``OSError`` the read raised. ``received`` is how many bytes landed (also on error), for
     accounting.
@@ -160,11 +160,6 @@ class ThreadedReceive:
             raise
         assert self._result is not None
         return self._result.unwrap()
-
-    async def run(self) -> bytes:
-        """``start()`` then ``wait()``."""
-        self.start()
-        return await self.wait()
 
 
 __all__ = [
