@@ -1,0 +1,77 @@
+"""Atomic file writing: the one place echo2 replaces a file on disk.
+
+A reader (a resumed hub, a node restarting, `echo2 hub report`, a person's `cat`) must only ever
+see the old file or all of the new one, never a torn write. So every write goes to a temporary
+name in the same directory, is flushed (and fsynced unless ``durable=False``), then renamed over
+the final name; the directory is fsynced so the rename itself survives a power cut.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from pathlib import Path
+from typing import BinaryIO
+
+#: Prefix of temporary files; a store that finds such a file at start-up knows it is stray.
+TMP_PREFIX = ".tmp-"
+
+
+def fsync_dir(path: str | os.PathLike[str]) -> None:
+    """Make a rename in ``path`` durable; a no-op where the filesystem refuses it."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:  # some filesystems refuse fsync on directories; the rename is still atomic
+        pass
+    finally:
+        os.close(fd)
+
+
+def atomic_write_with(
+    path: str | os.PathLike[str],
+    write: Callable[[BinaryIO], object],
+    *,
+    mode: int = 0o600,
+    durable: bool = True,
+) -> None:
+    """Call ``write(f)`` on a temporary file, then rename it over ``path`` atomically.
+
+    ``mode`` is applied at creation (the file never exists with wider permissions, which matters
+    for key files); ``durable=False`` skips the fsyncs for files that are cheap to lose (status
+    snapshots rewritten every second).
+    """
+    p = Path(path)
+    tmp = p.parent / f"{TMP_PREFIX}{p.name}.{os.getpid()}"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            write(f)
+            f.flush()
+            if durable:
+                os.fsync(f.fileno())
+        os.chmod(tmp, mode)  # O_CREAT's mode is filtered by the umask
+        os.replace(tmp, p)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
+    if durable:
+        fsync_dir(p.parent)
+
+
+def atomic_write(
+    path: str | os.PathLike[str],
+    data: bytes | bytearray | memoryview | str,
+    *,
+    mode: int = 0o600,
+    durable: bool = True,
+) -> None:
+    """Write ``data`` (str as UTF-8) to ``path`` so it holds either the old file or all of it."""
+    payload = data.encode() if isinstance(data, str) else data
+    atomic_write_with(path, lambda f: f.write(payload), mode=mode, durable=durable)
