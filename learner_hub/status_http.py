@@ -1,8 +1,8 @@
 """Operator status over HTTP: JSON, a server-rendered HTML page, and Prometheus metrics.
 
-A deliberately tiny HTTP/1.1 server on trio (no dependency): GET only, one request per
-connection (``Connection: close``), request line and headers read with a size limit and a
-timeout, everything else answered 400/405/404/431. It is read-only and binds to 127.0.0.1 by
+A small HTTP/1.1 server on trio with h11 doing the parsing: GET/HEAD only, one request per
+connection (``Connection: close``), the request head read with a size limit and a timeout,
+everything else answered 400/405/404/431. The ``/metrics`` text is rendered by prometheus-client. It is read-only and binds to 127.0.0.1 by
 default, so exposing it is an explicit operator decision (e.g. through an SSH tunnel).
 
 Routes: ``/status.json`` (``status_provider()``), ``/`` (HTML rendered from the same dict, no
@@ -16,10 +16,13 @@ import json
 import logging
 import math
 import re
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import h11
+import prometheus_client
+import prometheus_client.metrics_core as prom
 import trio
 
 log = logging.getLogger(__name__)
@@ -30,14 +33,13 @@ MAX_CONNECTIONS = 64
 
 _METRIC_NAME = re.compile(r"^[a-zA-Z_:][a-zA-Z0-9_:]*$")
 _LABEL_NAME = re.compile(r"^[a-zA-Z_][a-zA-Z0-9_]*$")
-_TOKEN = re.compile(r"^[!#$%&'*+.^_`|~0-9A-Za-z-]+$")
 
 
 # --- Prometheus exposition -------------------------------------------------------------------------
 @dataclass(frozen=True)
 class Metric:
-    """One metric family: ``samples`` are (labels, value) pairs; ``suffix`` samples such as a
-    histogram's ``_bucket`` are not needed here, so only counter/gauge/untyped are allowed."""
+    """One metric family: ``samples`` are (labels, value) pairs. Only counter/gauge/untyped are
+    needed here; a counter's name ends in ``_total``, as Prometheus names them."""
 
     name: str
     type: str  # "counter" | "gauge" | "untyped"
@@ -49,6 +51,8 @@ class Metric:
             raise ValueError(f"invalid metric name {self.name!r}")
         if self.type not in ("counter", "gauge", "untyped"):
             raise ValueError(f"unsupported metric type {self.type!r}")
+        if self.type == "counter" and not self.name.endswith("_total"):
+            raise ValueError(f"counter {self.name!r} must end in _total")
         for labels, _ in self.samples:
             for k in labels:
                 if not _LABEL_NAME.match(k) or k.startswith("__"):
@@ -59,40 +63,29 @@ def gauge(name: str, help: str, value: float | None, **labels: str) -> Metric:
     return Metric(name, "gauge", help, [] if value is None else [(labels, float(value))])
 
 
-def _escape_label(v: str) -> str:
-    return v.replace("\\", "\\\\").replace("\n", "\\n").replace('"', '\\"')
+class _Families:
+    """A prometheus-client collector over a list of ``Metric`` (a repeated name is merged into
+    one family, in first-seen order): the exposition text and its escaping are the library's."""
 
+    def __init__(self, metrics: Sequence[Metric]) -> None:
+        self.metrics = metrics
 
-def _escape_help(v: str) -> str:
-    return v.replace("\\", "\\\\").replace("\n", "\\n")
-
-
-def _fmt_value(v: float) -> str:
-    if math.isnan(v):
-        return "NaN"
-    if math.isinf(v):
-        return "+Inf" if v > 0 else "-Inf"
-    if float(v).is_integer() and abs(v) < 2**53:
-        return str(int(v))
-    return repr(float(v))
+    def collect(self) -> Iterator[prom.Metric]:
+        merged: dict[str, tuple[Metric, list[tuple[Mapping[str, str], float]]]] = {}
+        for m in self.metrics:
+            merged.setdefault(m.name, (m, []))[1].extend(m.samples)
+        for first, samples in merged.values():
+            # CounterMetricFamily strips _total from the family name; its samples keep it
+            fam = (prom.CounterMetricFamily(first.name, first.help) if first.type == "counter"
+                   else prom.Metric(first.name, first.help, first.type))
+            for labels, value in samples:
+                fam.add_sample(first.name, {k: str(v) for k, v in labels.items()}, float(value))
+            yield fam
 
 
 def render_metrics(metrics: Sequence[Metric]) -> str:
     """Prometheus text exposition format 0.0.4 (families in order; a repeated name is merged)."""
-    out: list[str] = []
-    seen: set[str] = set()
-    for m in metrics:
-        if m.name not in seen:
-            seen.add(m.name)
-            out.append(f"# HELP {m.name} {_escape_help(m.help)}")
-            out.append(f"# TYPE {m.name} {m.type}")
-        for labels, value in m.samples:
-            if labels:
-                lab = ",".join(f'{k}="{_escape_label(str(v))}"' for k, v in labels.items())
-                out.append(f"{m.name}{{{lab}}} {_fmt_value(value)}")
-            else:
-                out.append(f"{m.name} {_fmt_value(value)}")
-    return "\n".join(out) + "\n"
+    return prometheus_client.generate_latest(_Families(metrics)).decode()  # type: ignore[arg-type]
 
 
 def _num(x: Any) -> float | None:
@@ -123,6 +116,8 @@ def hub_metrics(status: Mapping[str, Any]) -> list[Metric]:
     if isinstance(hist, list):
         total = sum(_num(h.get("train_s")) or 0.0 for h in hist if isinstance(h, dict))
         ms.append(Metric("echo2_learner_train_seconds_total", "counter", "Seconds spent in learner steps.", [({}, total)]))
+    g("echo2_loop_lag_p99_ms", "99th percentile of the trio loop's scheduling lag, ms.", "loop_lag_p99_ms")
+    g("echo2_loop_lag_max_ms", "Largest trio loop scheduling lag seen recently, ms.", "loop_lag_max_ms")
     g("echo2_policy_latest_version", "Newest published policy version.", "latest_version")
     acc = _num(status.get("results_accepted"))
     if acc is not None:
@@ -298,54 +293,34 @@ td,th{{border:1px solid #ccc;padding:2px 8px;text-align:left;font-size:13px}}th{
 
 
 # --- HTTP server -----------------------------------------------------------------------------------
-class BadRequest(Exception):
-    def __init__(self, status: int, message: str) -> None:
-        super().__init__(message)
-        self.status = status
-        self.message = message
-
-
 _REASONS = {200: "OK", 400: "Bad Request", 404: "Not Found", 405: "Method Not Allowed",
-            408: "Request Timeout", 431: "Request Header Fields Too Large", 500: "Internal Server Error"}
+            431: "Request Header Fields Too Large", 500: "Internal Server Error", 501: "Not Implemented"}
+_CONTENT_TYPE_METRICS = prometheus_client.exposition.CONTENT_TYPE_PLAIN_0_0_4
+# h11 refuses an HTTP/1.1 request without Host (RFC 9112 3.2); this server answers for one host
+# only, and simple clients (and probes) omit it, so such a request is re-read with a Host added.
+_MISSING_HOST = "Missing mandatory Host: header"
 
 
-def parse_request_head(head: bytes) -> tuple[str, str]:
-    """(method, path) from the bytes before the blank line; BadRequest if malformed."""
-    try:
-        text = head.decode("ascii")
-    except UnicodeDecodeError as exc:
-        raise BadRequest(400, "request head is not ASCII") from exc
-    lines = text.split("\r\n")
-    parts = lines[0].split(" ")
-    if len(parts) != 3:
-        raise BadRequest(400, "malformed request line")
-    method, target, version = parts
-    if not _TOKEN.match(method) or version not in ("HTTP/1.0", "HTTP/1.1"):
-        raise BadRequest(400, "malformed request line")
-    if not target.startswith("/") or any(ord(c) <= 32 or ord(c) >= 127 for c in target):
-        raise BadRequest(400, "malformed request target")
-    for line in lines[1:]:
-        name, sep, _ = line.partition(":")
-        if not sep or not name or not _TOKEN.match(name):
-            raise BadRequest(400, "malformed header line")
-    return method, target.split("?", 1)[0].split("#", 1)[0]
+@dataclass(frozen=True)
+class Response:
+    status: int
+    body: bytes
+    content_type: str = "text/plain; charset=utf-8"
+    extra: Sequence[tuple[str, str]] = ()
+
+    def headers(self) -> list[tuple[str, str]]:
+        return [
+            ("Content-Type", self.content_type),
+            ("Content-Length", str(len(self.body))),
+            ("Connection", "close"),
+            ("Cache-Control", "no-store"),
+            ("X-Content-Type-Options", "nosniff"),
+            *self.extra,
+        ]
 
 
-def _response(status: int, body: bytes, content_type: str, extra: Sequence[tuple[str, str]] = ()) -> bytes:
-    head = [
-        f"HTTP/1.1 {status} {_REASONS.get(status, 'Error')}",
-        f"Content-Type: {content_type}",
-        f"Content-Length: {len(body)}",
-        "Connection: close",
-        "Cache-Control: no-store",
-        "X-Content-Type-Options: nosniff",
-        *(f"{k}: {v}" for k, v in extra),
-    ]
-    return ("\r\n".join(head) + "\r\n\r\n").encode("ascii") + body
-
-
-def _text(status: int, msg: str, extra: Sequence[tuple[str, str]] = ()) -> bytes:
-    return _response(status, (msg + "\n").encode(), "text/plain; charset=utf-8", extra)
+def _text(status: int, msg: str, extra: Sequence[tuple[str, str]] = ()) -> Response:
+    return Response(status, (msg + "\n").encode(), extra=extra)
 
 
 class StatusServer:
@@ -405,60 +380,95 @@ class StatusServer:
                 except Exception:
                     pass
 
-    async def _serve_one(self, stream: trio.abc.Stream) -> None:
-        buf = bytearray()
-        while b"\r\n\r\n" not in buf:
-            if len(buf) > self.max_request_bytes:
-                await self._refuse_and_drain(stream, _text(431, "request head too large"))
-                return
-            data = await stream.receive_some(4096)
-            if not data:
-                if buf:
-                    await stream.send_all(_text(400, "incomplete request"))
-                return
-            buf += data
-        head = bytes(buf[: buf.index(b"\r\n\r\n")])
-        if len(head) > self.max_request_bytes:
-            await self._refuse_and_drain(stream, _text(431, "request head too large"))
-            return
-        self.requests += 1
-        resp = self.respond(head)
-        if resp.startswith(b"HTTP/1.1 200 "):
-            await stream.send_all(resp)
-        else:  # the client may still be sending (a POST body): do not reset the connection on it
-            await self._refuse_and_drain(stream, resp)
+    def _connection(self) -> h11.Connection:
+        return h11.Connection(h11.SERVER, max_incomplete_event_size=self.max_request_bytes)
 
-    async def _refuse_and_drain(self, stream: trio.abc.Stream, resp: bytes) -> None:
+    async def _read_request(self, stream: trio.abc.Stream) -> tuple[h11.Connection, h11.Request | Response | None]:
+        """The connection to answer on and the request head, or the refusal to send, or None when
+        the client left without asking. h11 refuses a head over ``max_request_bytes`` (431) and
+        one cut short by end of input."""
+        conn = self._connection()
+        received = bytearray()  # bounded by h11's size limit; kept to re-read a request without Host
+        while True:
+            try:
+                event = conn.next_event()
+            except h11.RemoteProtocolError as exc:
+                if str(exc) == _MISSING_HOST:
+                    return self._reread_with_host(bytes(received), conn)
+                hint = exc.error_status_hint
+                return conn, _text(hint, "request head too large" if hint == 431 else f"bad request: {exc}")
+            if isinstance(event, h11.Request):
+                return conn, event
+            if isinstance(event, h11.ConnectionClosed):
+                return conn, None
+            data = await stream.receive_some(4096)
+            received += data
+            conn.receive_data(data)
+
+    def _reread_with_host(self, received: bytes, conn: h11.Connection) -> tuple[h11.Connection, h11.Request | Response]:
+        line_end = received.find(b"\n") + 1
+        again = self._connection()
+        again.receive_data(received[:line_end] + b"Host: localhost\r\n" + received[line_end:])
+        try:
+            event = again.next_event()
+        except h11.RemoteProtocolError as exc:
+            return again, _text(exc.error_status_hint, f"bad request: {exc}")
+        if not isinstance(event, h11.Request):  # unreachable: the first read had the whole head
+            return conn, _text(400, "incomplete request")
+        return again, event
+
+    async def _serve_one(self, stream: trio.abc.Stream) -> None:
+        conn, got = await self._read_request(stream)
+        if got is None:
+            return
+        if isinstance(got, h11.Request):
+            self.requests += 1
+            resp = self.respond(got)
+        else:
+            resp = got  # h11 still lets the server answer a client in its error state
+        head = h11.Response(status_code=resp.status, headers=resp.headers(),
+                            reason=_REASONS.get(resp.status, "Error").encode())
+        # a response to HEAD carries its headers only (h11 enforces it)
+        body = () if isinstance(got, h11.Request) and got.method == b"HEAD" else (h11.Data(data=resp.body),)
+        data = b"".join(conn.send(ev) or b"" for ev in (head, *body, h11.EndOfMessage()))
+        if resp.status == 200:
+            await stream.send_all(data)
+        else:  # the client may still be sending (a POST body): do not reset the connection on it
+            await self._refuse_and_drain(stream, data)
+
+    async def _refuse_and_drain(self, stream: trio.abc.Stream, data: bytes) -> None:
         # Closing a socket with unread input makes the kernel send RST, which can destroy the
         # response before the client reads it: half-close, then discard a bounded amount of input.
-        await stream.send_all(resp)
+        await stream.send_all(data)
         if isinstance(stream, trio.abc.HalfCloseableStream):
             await stream.send_eof()
         discarded = 0
         with trio.move_on_after(0.5):
             while discarded < 16 * self.max_request_bytes:
-                data = await stream.receive_some(65536)
-                if not data:
+                chunk = await stream.receive_some(65536)
+                if not chunk:
                     break
-                discarded += len(data)
+                discarded += len(chunk)
 
-    def respond(self, head: bytes) -> bytes:
-        """The full response for a request head (exposed for tests of routing without sockets)."""
-        try:
-            method, path = parse_request_head(head)
-        except BadRequest as exc:
-            return _text(exc.status, exc.message)
-        if method != "GET":
+    def respond(self, request: h11.Request) -> Response:
+        """The response to a parsed request (exposed for tests of routing without sockets)."""
+        target = bytes(request.target)
+        # h11 accepts absolute-form targets and bytes outside ASCII; this server serves paths only
+        if not target.startswith(b"/") or any(b <= 32 or b >= 127 for b in target):
+            return _text(400, "malformed request target")
+        if not all(bytes(v).isascii() for _, v in request.headers):
+            return _text(400, "request head is not ASCII")
+        if request.method != b"GET":
             return _text(405, "only GET is supported", [("Allow", "GET")])
+        path = target.decode("ascii").split("?", 1)[0].split("#", 1)[0]
         try:
             if path == "/status.json":
                 body = json.dumps(json_safe(self.status_provider()), default=str, allow_nan=False).encode()
-                return _response(200, body, "application/json")
+                return Response(200, body, "application/json")
             if path == "/metrics":
-                text = render_metrics(self.metrics_provider())
-                return _response(200, text.encode(), "text/plain; version=0.0.4; charset=utf-8")
+                return Response(200, render_metrics(self.metrics_provider()).encode(), _CONTENT_TYPE_METRICS)
             if path in ("/", "/index.html"):
-                return _response(200, render_html(self.status_provider()).encode(), "text/html; charset=utf-8")
+                return Response(200, render_html(self.status_provider()).encode(), "text/html; charset=utf-8")
         except Exception:
             self.errors += 1
             log.exception("status HTTP: provider failed for %s", path)

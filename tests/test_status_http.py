@@ -152,7 +152,7 @@ def test_render_metrics_format() -> None:
     assert text == (
         "# HELP echo2_x_total help with \\\\ and\\nnewline\n"
         "# TYPE echo2_x_total counter\n"
-        'echo2_x_total{reason="a\\"b\\\\c\\nd"} 3\n'
+        'echo2_x_total{reason="a\\"b\\\\c\\nd"} 3.0\n'
         "# HELP echo2_g g\n"
         "# TYPE echo2_g gauge\n"
         "echo2_g 0.25\n"
@@ -170,3 +170,40 @@ def test_render_metrics_format() -> None:
 def test_render_html_handles_odd_status() -> None:
     page = render_html({"nodes": "not a list", "history": [{"step": 1, "reward": math.inf}, "x"], "broadcast": 5})
     assert "<html" in page and "none" in page
+
+
+def test_h11_edges_head_host_and_slow_clients() -> None:
+    async def main() -> None:
+        lag = {**STATUS, "loop_lag_p99_ms": 1.5, "loop_lag_max_ms": 12.0}
+        server = StatusServer(lambda: lag, lambda: hub_metrics(lag), timeout_s=1.0)
+        async with trio.open_nursery() as nursery:
+            port = await nursery.start(server.serve)
+            resp = await raw_request(port, b"HEAD / HTTP/1.1\r\nHost: x\r\n\r\n")
+            assert status_code(resp) == 405 and b"\r\nAllow: GET\r\n" in resp
+            resp = await raw_request(port, b"GET /metrics HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
+            assert status_code(resp) == 200
+            text = body(resp).decode()
+            assert "echo2_loop_lag_p99_ms 1.5\n" in text and "echo2_loop_lag_max_ms 12.0\n" in text
+            assert b"\r\nConnection: close\r\n" in resp and b"\r\nContent-Length: " in resp
+            assert status_code(await raw_request(port, b"GET / HTTP/1.1\r\nHost: a\r\nHost: b\r\n\r\n")) == 400
+            assert status_code(await raw_request(port, b"GET /\xff HTTP/1.1\r\n\r\n")) == 400
+            assert status_code(await raw_request(port, b"GET / HTTP/1.1\r\nX: \xff\r\n\r\n")) == 400
+            assert status_code(await raw_request(port, b"GET / HTTP/1.1\r\nTransfer-Encoding: gzip\r\n\r\n")) >= 400
+            # a client dribbling a never-ending head one byte at a time is cut off at the timeout
+            with trio.fail_after(4):
+                slow = await trio.open_tcp_stream("127.0.0.1", port)
+                t0 = trio.current_time()
+                with trio.move_on_after(3):
+                    try:
+                        for b in b"GET / HTTP/1.1\r\nX-Slow: " + b"a" * 100:
+                            await slow.send_all(bytes([b]))
+                            await trio.sleep(0.05)
+                    except trio.BrokenResourceError:
+                        pass
+                assert await slow.receive_some(100) == b""
+                assert trio.current_time() - t0 < 2.5
+                await slow.aclose()
+            assert server.errors == 0
+            nursery.cancel_scope.cancel()
+
+    trio.run(main)
