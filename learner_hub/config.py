@@ -1,11 +1,24 @@
-"""Hub configuration: a commented TOML file written by ``echo2 hub init``."""
+"""Hub configuration: a commented TOML file written by ``echo2 hub init``, typed and validated on load.
+
+Each field's type says what is allowed (msgspec ``Meta`` bounds, ``Literal`` choices) and its
+``Meta`` description is the comment written beside it in hub.toml, so the two cannot drift.
+msgspec (already echo2's schema library) converts the TOML table into this plain dataclass:
+callers keep ``HubConfig(...)``, ``dataclasses.replace`` and attribute writes, and pydantic would
+be a second validation library for the same job.
+"""
 
 from __future__ import annotations
 
+import dataclasses
+import difflib
 import tomllib
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import dataclass, field
+from functools import cache
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any, Literal, get_args, get_origin, get_type_hints
+
+import msgspec
+import tomli_w
 
 from echo2.protocol.errors import Echo2Error
 
@@ -16,76 +29,116 @@ class ConfigError(Echo2Error):
     code = "config"
 
 
+def _doc(text: str, **bounds: Any) -> msgspec.Meta:
+    return msgspec.Meta(description=text, **bounds)
+
+
+DType = Literal["float32", "bfloat16"]
+
+
 @dataclass
 class HubConfig:
-    dir: str = "."
+    dir: Annotated[str, _doc("hub directory: key, hub.addrs, status, checkpoints")] = "."
     # networking
-    listen_host: str = "127.0.0.1"
-    listen_port: int = 0
-    data_port: int = 0
-    status_port: int = 0
-    upload_limit_MBps: float = 0.0
-    admission: str = "open"
+    listen_host: Annotated[str, _doc("libp2p control plane; use 0.0.0.0 to accept remote nodes")] = "127.0.0.1"
+    listen_port: Annotated[int, _doc("0 = pick a free port", ge=0, le=65535)] = 0
+    data_port: Annotated[int, _doc("TCP data plane for policy chunks (0 = free port)", ge=0, le=65535)] = 0
+    status_port: Annotated[int, _doc("status/metrics HTTP on 127.0.0.1 (0 = off or free)", ge=0, le=65535)] = 0
+    upload_limit_MBps: Annotated[float, _doc("emulate/cap the hub uplink (0 = unlimited)", ge=0)] = 0.0
+    admission: Annotated[Literal["open", "allowlist", "token"], _doc("open | allowlist | token")] = "open"
     # model and task
-    model: str = "tiny"
-    tiny_hidden: int = 128
-    tiny_layers: int = 2
-    task: str = "copy"
-    dataset: str = ""
-    dtype: str = "float32"
-    publish_dtype: str = "bfloat16"
+    model: Annotated[str, _doc('"tiny" (built in code) or a local Hugging Face model directory')] = "tiny"
+    tiny_hidden: Annotated[int, _doc("hidden size of the built-in tiny model", ge=1)] = 128
+    tiny_layers: Annotated[int, _doc("layers of the built-in tiny model", ge=1)] = 2
+    task: Annotated[Literal["copy", "reverse", "arith", "jsonl"], _doc("copy | reverse | arith | jsonl")] = "copy"
+    dataset: Annotated[str, _doc('JSONL with question/answer fields when task = "jsonl"')] = ""
+    dtype: Annotated[DType, _doc("training dtype: float32 | bfloat16")] = "float32"
+    publish_dtype: Annotated[DType, _doc("dtype of published policy versions (bfloat16 compresses deltas well)")] = "bfloat16"
     # GRPO
-    steps: int = 300
-    prompts_per_step: int = 16
-    group_size: int = 16
-    max_new_tokens: int = 6
-    temperature: float = 1.0
-    top_p: float = 1.0
-    lr: float = 5e-4
-    clip_eps: float = 0.2
-    kl_coef: float = 0.0
-    seed: int = 0
+    steps: Annotated[int, _doc("learner steps to run", ge=0)] = 300
+    prompts_per_step: Annotated[int, _doc("prompts per learner step; B = prompts_per_step * group_size", ge=1)] = 16
+    group_size: Annotated[int, _doc("G completions per prompt (GRPO needs a group to normalise against)", ge=2)] = 16
+    max_new_tokens: Annotated[int, _doc("tokens generated per completion", ge=1)] = 6
+    temperature: Annotated[float, _doc("sampling temperature", gt=0)] = 1.0
+    top_p: Annotated[float, _doc("nucleus sampling mass", gt=0, le=1)] = 1.0
+    lr: Annotated[float, _doc("learning rate", ge=0)] = 5e-4
+    clip_eps: Annotated[float, _doc("PPO-style ratio clip", ge=0)] = 0.2
+    kl_coef: Annotated[float, _doc("KL penalty towards the initial policy", ge=0)] = 0.0
+    seed: Annotated[int, _doc("seed of the model init and the prompt stream")] = 0
     # bounded staleness
-    staleness: int = 1
-    task_deadline_s: float = 30.0
-    task_target_s: float = 2.0
-    node_silence_s: float = 0.0
+    staleness: Annotated[int, _doc("S: rollouts made with version v are trained on at steps v..v+S", ge=0)] = 1
+    task_deadline_s: Annotated[float, _doc("a task not answered by then is reassigned", gt=0)] = 30.0
+    task_target_s: Annotated[float, _doc("tasks are sized to take about this long on their node", gt=0)] = 2.0
+    node_silence_s: Annotated[float, _doc("drop a node silent this long (0 = default, 30 s)", ge=0)] = 0.0
     # dissemination
-    chunk_bytes: int = 0
-    broadcast: str = "star"
-    activation: str = "cost"
-    activation_margin: float = 1.25
-    full_every: int = 10
-    exit_when_done: bool = False
-    checkpoint_every: int = 10
-    logprob_tolerance: float = 1e-3
-    relay_report_quorum: int = 2
-    allowlist: list[str] = field(default_factory=list)
-    extra: dict[str, Any] = field(default_factory=dict)
+    chunk_bytes: Annotated[int, _doc("0 = packing default", ge=0)] = 0
+    broadcast: Annotated[Literal["pipelined", "star"], _doc("pipelined (peer-assisted relay trees) | star (hub sends to every node)")] = "star"
+    activation: Annotated[Literal["cost", "all"], _doc("cost: free nodes + cheapest cover of R* among paid ones | all")] = "cost"
+    activation_margin: Annotated[float, _doc("R* = margin * B / T_train", gt=0)] = 1.25
+    full_every: Annotated[int, _doc("a full snapshot every K versions bounds delta chains", ge=1)] = 10
+    exit_when_done: Annotated[bool, _doc("stop the hub after `steps`")] = False
+    checkpoint_every: Annotated[int, _doc("checkpoint policy, optimizer and step every K steps (restart resumes)", ge=0)] = 10
+    logprob_tolerance: Annotated[float, _doc("node log-probs must match the learner's recompute within this", ge=0)] = 1e-3
+    relay_report_quorum: Annotated[int, _doc("distinct peers reporting corrupt relayed chunks that ban a relay", ge=1)] = 2
+    allowlist: Annotated[list[str], _doc("peer IDs admitted in allowlist mode (also: echo2 hub admit PEER_ID)")] = field(
+        default_factory=list
+    )
 
     @property
     def path(self) -> Path:
         return Path(self.dir)
 
-    def validate(self) -> None:
-        if self.activation not in ("cost", "all"):
-            raise ConfigError(f"activation must be cost or all, not {self.activation!r}")
-        if self.broadcast not in ("pipelined", "star"):
-            raise ConfigError(f"broadcast must be pipelined or star, not {self.broadcast!r}")
-        if self.admission not in ("open", "allowlist", "token"):
-            raise ConfigError(f"admission must be open, allowlist or token, not {self.admission!r}")
-        if self.staleness < 0:
-            raise ConfigError("staleness must be >= 0")
-        if self.group_size < 2:
-            raise ConfigError("group_size must be >= 2 (GRPO needs a group to normalise against)")
-        if self.prompts_per_step < 1 or self.steps < 0:
-            raise ConfigError("prompts_per_step must be >= 1 and steps >= 0")
-        if self.dtype not in ("float32", "bfloat16") or self.publish_dtype not in ("float32", "bfloat16"):
-            raise ConfigError("dtype and publish_dtype must be float32 or bfloat16")
-        if not (0 < self.top_p <= 1) or self.temperature <= 0:
-            raise ConfigError("need 0 < top_p <= 1 and temperature > 0")
-        if self.relay_report_quorum < 1:
-            raise ConfigError("relay_report_quorum must be >= 1")
+    def validate(self, source: str = "HubConfig") -> None:
+        """Every field against its type and bounds; ConfigError names the key, value and rule."""
+        _convert(dataclasses.asdict(self), source)
+
+
+# a blank line in hub.toml before each group
+_GROUPS = ("model", "steps", "staleness", "chunk_bytes")
+
+
+@cache
+def _hints() -> dict[str, Any]:
+    return get_type_hints(HubConfig, include_extras=True)
+
+
+def _toml_value(v: Any) -> str:
+    """One value as TOML, by tomli-w; a list stays on its line so its comment can follow it."""
+    if isinstance(v, list):
+        return "[" + ", ".join(_toml_value(x) for x in v) + "]"
+    return tomli_w.dumps({"v": v})[len("v = "):].rstrip("\n")
+
+
+def _allowed(tp: Any) -> str:
+    """What a field accepts, in words, from its annotation."""
+    metas: list[msgspec.Meta] = []
+    while get_origin(tp) is Annotated:
+        tp, *extra = get_args(tp)
+        metas += [m for m in extra if isinstance(m, msgspec.Meta)]
+    if get_origin(tp) is Literal:
+        return "one of " + ", ".join(_toml_value(c) for c in get_args(tp))
+    words = {int: "an integer", float: "a number", str: "a string", bool: "true or false"}.get(tp, "a list of strings")
+    bounds = [f"{sym} {getattr(m, attr):g}" for m in metas
+              for attr, sym in (("ge", ">="), ("gt", ">"), ("le", "<="), ("lt", "<")) if getattr(m, attr) is not None]
+    return " ".join([words, " and ".join(bounds)]).strip()
+
+
+def _convert(table: dict[str, Any], source: str) -> HubConfig:
+    known = list(_hints())
+    unknown = sorted(set(table) - set(known))
+    if unknown:
+        close = difflib.get_close_matches(unknown[0], known, n=1)
+        hint = f" (did you mean {close[0]!r}?)" if close else ""
+        raise ConfigError(f"{source}: unknown key {unknown[0]!r}{hint}; known keys: {', '.join(known)}")
+    try:
+        return msgspec.convert(table, HubConfig)
+    except msgspec.ValidationError as exc:
+        # msgspec says where ("... - at `$.staleness`"); the message says it in the file's terms
+        path = str(exc).rpartition("`$.")[2].rstrip("`")
+        key = path.split("[", 1)[0].split(".", 1)[0]
+        if key not in table:
+            raise ConfigError(f"{source}: {exc}") from exc
+        raise ConfigError(f"{source}: {key} = {_toml_value(table[key])}: must be {_allowed(_hints()[key])}") from exc
 
 
 def load_config(path: str | Path) -> HubConfig:
@@ -94,68 +147,33 @@ def load_config(path: str | Path) -> HubConfig:
         raw = tomllib.loads(p.read_text())
     except (OSError, tomllib.TOMLDecodeError) as exc:
         raise ConfigError(f"cannot read {p}: {exc}") from exc
-    known = {f.name for f in fields(HubConfig)}
     hub = raw.get("hub", raw)
-    unknown = set(hub) - known
-    if unknown:
-        raise ConfigError(f"unknown config keys in {p}: {', '.join(sorted(unknown))}")
-    cfg = HubConfig(**hub)
+    if not isinstance(hub, dict):
+        raise ConfigError(f"{p}: [hub] must be a table")
+    cfg = _convert(hub, str(p))
     if not Path(cfg.dir).is_absolute():
         cfg.dir = str((p.parent / cfg.dir).resolve())
-    cfg.validate()
     return cfg
 
 
-_TEMPLATE = """\
-# echo2 learner hub configuration (written by `echo2 hub init`).
-[hub]
-dir = {dir!r}               # hub directory: key, hub.addrs, status, checkpoints
-listen_host = {listen_host!r}   # libp2p control plane; use 0.0.0.0 to accept remote nodes
-listen_port = {listen_port}              # 0 = pick a free port
-data_port = {data_port}                # TCP data plane for policy chunks (0 = free port)
-status_port = {status_port}              # status/metrics HTTP on 127.0.0.1 (0 = off or free)
-upload_limit_MBps = {upload_limit_MBps}      # emulate/cap the hub uplink (0 = unlimited)
-admission = {admission!r}          # open | allowlist | token
-
-model = {model!r}              # "tiny" (built in code) or a local Hugging Face model directory
-tiny_hidden = {tiny_hidden}
-tiny_layers = {tiny_layers}
-task = {task!r}               # copy | reverse | arith | jsonl
-dataset = {dataset!r}               # JSONL with question/answer fields when task = "jsonl"
-dtype = {dtype!r}          # training dtype: float32 | bfloat16
-publish_dtype = {publish_dtype!r}  # dtype of published policy versions (bfloat16 compresses deltas well)
-
-steps = {steps}                 # learner steps to run
-prompts_per_step = {prompts_per_step}       # prompts per learner step; B = prompts_per_step * group_size
-group_size = {group_size}             # G completions per prompt (GRPO group)
-max_new_tokens = {max_new_tokens}
-temperature = {temperature}
-top_p = {top_p}
-lr = {lr}
-clip_eps = {clip_eps}
-kl_coef = {kl_coef}
-seed = {seed}
-
-staleness = {staleness}              # S: rollouts made with version v are trained on at steps v..v+S
-task_deadline_s = {task_deadline_s}      # a task not answered by then is reassigned
-task_target_s = {task_target_s}         # tasks are sized to take about this long on their node
-node_silence_s = {node_silence_s}        # drop a node silent this long (0 = default, 30 s)
-
-chunk_bytes = {chunk_bytes}            # 0 = packing default
-activation = {activation!r}          # cost: free nodes + cheapest cover of R* among paid ones | all
-activation_margin = {activation_margin}    # R* = margin * B / T_train
-broadcast = {broadcast!r}      # pipelined (peer-assisted relay trees) | star (hub sends to every node)
-full_every = {full_every}             # a full snapshot every K versions bounds delta chains
-exit_when_done = {exit_when_done}   # stop the hub after `steps`
-checkpoint_every = {checkpoint_every}       # checkpoint policy, optimizer and step every K steps (restart resumes)
-logprob_tolerance = {logprob_tolerance}   # node log-probs must match the learner's recompute within this
-relay_report_quorum = {relay_report_quorum}    # distinct peers reporting corrupt relayed chunks that ban a relay
-allowlist = {allowlist_toml}              # peer IDs admitted in allowlist mode (also: echo2 hub admit PEER_ID)
-"""
-
-
 def render_config(cfg: HubConfig) -> str:
-    values = asdict(cfg)
-    values["exit_when_done"] = "true" if cfg.exit_when_done else "false"
-    values["allowlist_toml"] = "[" + ", ".join(f'"{p}"' for p in cfg.allowlist) + "]"
-    return _TEMPLATE.format(**values)
+    """hub.toml: values written by tomli-w, each with its field's description as a comment."""
+    cfg.validate()
+    lines = ["# echo2 learner hub configuration (written by `echo2 hub init`).", "[hub]"]
+    for name, value in dataclasses.asdict(cfg).items():
+        if name in _GROUPS:
+            lines.append("")
+        assignment = f"{name} = {_toml_value(value)}"
+        doc = _describe(name)
+        lines.append(f"{assignment:<32} # {doc}" if doc else assignment)
+    return "\n".join(lines) + "\n"
+
+
+def _describe(name: str) -> str:
+    tp = _hints()[name]
+    while get_origin(tp) is Annotated:
+        tp, *extra = get_args(tp)
+        for m in extra:
+            if isinstance(m, msgspec.Meta) and m.description:
+                return str(m.description)
+    return ""
