@@ -19,6 +19,8 @@ import os
 from types import SimpleNamespace
 from typing import Any
 
+from echo2.bench import plotting
+
 log = logging.getLogger(__name__)
 MB = 1_000_000
 
@@ -212,30 +214,6 @@ def run_simulated(args: argparse.Namespace) -> list[dict[str, object]]:
     return rows
 
 
-def _plot(rows: list[dict[str, object]], args: argparse.Namespace, path: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(6, 4))
-    for mode in args.mode:
-        pts = sorted((int(r["nodes"]), float(r["seconds"])) for r in rows if r["mode"] == mode)  # type: ignore[call-overload,arg-type]
-        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=f"{mode} (last node)")
-    floor = args.mbytes / (args.hub_MBps if args.hub_MBps else args.link_MBps)
-    ax.axhline(floor, color="gray", linestyle="--", label=f"floor M/B = {floor:.1f} s")
-    ax.set_xscale("log")
-    ax.set_yscale("log")
-    ax.set_xlabel("nodes N")
-    ax.set_ylabel("seconds until the last node holds the version")
-    sim = " (simulated)" if args.simulate else ""
-    ax.set_title(f"broadcast of {args.mbytes:g} MB at {args.link_MBps:g} MB/s{sim}")
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-
-
 def _default_chunk() -> int:
     from echo2.bench.broadcast_sim import DEFAULT_CHUNK_BYTES
 
@@ -245,6 +223,8 @@ def _default_chunk() -> int:
 def run(args: argparse.Namespace) -> int:
     if args.mbytes <= 0 or args.link_MBps <= 0 or (args.chunk_bytes is not None and args.chunk_bytes <= 0):
         raise SystemExit("--mbytes, --link-MBps and --chunk-bytes must be positive")
+    if args.plot:
+        plotting.require()
     rows = run_simulated(args) if args.simulate else run_real(args)
     print(f"{'mode':<10} {'nodes':>6} {'seconds':>10} {'median':>10} {'ideal':>8} {'ratio':>7} {'hub MB':>9} {'peer MB':>10}")
     for r in rows:
@@ -259,5 +239,6 @@ def run(args: argparse.Namespace) -> int:
         with open(args.json, "w") as f:
             json.dump(doc, f, indent=2)
     if args.plot:
-        _plot(rows, args, args.plot)
+        plotting.broadcast_figure(rows, args.mode, mbytes=args.mbytes, link_MBps=args.link_MBps, hub_MBps=args.hub_MBps,
+                                  simulated=bool(args.simulate), path=args.plot)
     return 0

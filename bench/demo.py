@@ -10,6 +10,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from echo2.bench import plotting
+
 
 def register(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--nodes", type=int, default=2, help="node processes (default 2)")
@@ -48,29 +50,12 @@ def summarize(st: dict[str, Any], nodes: int, steps: int, staleness: int, task: 
     }
 
 
-def plot(report: dict[str, Any], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    hist = report["history"]
-    fig, (a, b) = plt.subplots(1, 2, figsize=(10, 4))
-    a.plot([h["step"] for h in hist], [h["reward"] for h in hist])
-    a.set_xlabel("learner step")
-    a.set_ylabel("mean reward")
-    b.plot([h["t"] for h in hist], [h["reward"] for h in hist])
-    b.set_xlabel("wall time (s)")
-    fig.suptitle(f"echo2 demo: {report['task']}, {report['nodes']} nodes, S={report['staleness']}")
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-
-
 def run(args: argparse.Namespace) -> int:
     from echo2.bench.swarm import LocalSwarm
     from echo2.learner_hub.config import HubConfig
 
+    if args.plot:
+        plotting.require()
     root = args.dir or Path(tempfile.mkdtemp(prefix="echo2-demo-"))
     cfg = HubConfig(
         task=args.task,
@@ -118,6 +103,6 @@ def run(args: argparse.Namespace) -> int:
         args.json.write_text(json.dumps(report, indent=1))
         print(f"report: {args.json}")
     if args.plot:
-        plot(report, args.plot)
+        plotting.demo_figure(report, args.plot)
         print(f"plot: {args.plot}")
     return 0 if st.get("final") else 1

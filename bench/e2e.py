@@ -15,6 +15,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from echo2.bench import plotting
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--staleness", default="0,1,2,4", help="comma list of S values (default 0,1,2,4)")
@@ -63,36 +65,9 @@ def run_one(root: Path, s: int, args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
-def plot(rows: list[dict[str, Any]], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
-    for r in rows:
-        xs = [t for t, _ in r["curve"]]
-        ys = [y for _, y in r["curve"]]
-        k = max(1, len(ys) // 30)
-        smooth = [sum(ys[max(0, i - k) : i + 1]) / len(ys[max(0, i - k) : i + 1]) for i in range(len(ys))]
-        a.plot(xs, smooth, label=f"S={r['staleness']}")
-    a.set_xlabel("wall time (s)")
-    a.set_ylabel("mean reward (smoothed)")
-    a.legend()
-    labels = [f"S={r['staleness']}" for r in rows]
-    x = range(len(rows))
-    b.bar([i - 0.2 for i in x], [r["learner_busy_fraction"] for r in rows], width=0.4, label="measured")
-    b.bar([i + 0.2 for i in x], [r["predicted_busy_fraction"] for r in rows], width=0.4, label="predicted")
-    b.set_xticks(list(x), labels)
-    b.set_ylim(0, 1.05)
-    b.set_ylabel("learner busy fraction")
-    b.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-
-
 def run(args: argparse.Namespace) -> int:
+    if args.plot:
+        plotting.require()
     values = [int(v) for v in str(args.staleness).split(",") if v.strip()]
     root = args.dir or Path(tempfile.mkdtemp(prefix="echo2-e2e-"))
     rows = []
@@ -114,6 +89,6 @@ def run(args: argparse.Namespace) -> int:
         args.json.write_text(json.dumps(out, indent=1))
         print(f"report: {args.json}")
     if args.plot:
-        plot(rows, args.plot)
+        plotting.e2e_figure(rows, args.plot)
         print(f"plot: {args.plot}")
     return 0

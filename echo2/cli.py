@@ -1,7 +1,8 @@
 """The ``echo2`` command: ``node``, ``hub``, ``bench`` and ``demo``.
 
-Each subpackage registers its own subcommands; heavy imports (torch, libp2p) happen only when a
-command runs, so ``echo2 --help`` stays instant.
+Each subpackage registers its own subcommands, and only the group named on the command line is
+imported: ``echo2 node run`` and ``echo2 hub run`` never load the benches (nor matplotlib), and
+heavy imports (torch, libp2p) happen only when a command runs, so ``echo2 --help`` stays instant.
 """
 
 from __future__ import annotations
@@ -23,7 +24,23 @@ _GROUPS: dict[str, tuple[str, str]] = {
 }
 
 
-def build_parser() -> argparse.ArgumentParser:
+def _chosen_group(argv: Sequence[str]) -> str | None:
+    """The subcommand group named in ``argv`` (skipping the top-level options), if any."""
+    skip = False
+    for arg in argv:
+        if skip:
+            skip = False
+        elif arg == "--log-level":
+            skip = True
+        elif not arg.startswith("-"):
+            return arg if arg in _GROUPS else None
+    return None
+
+
+def build_parser(argv: Sequence[str] | None = None) -> argparse.ArgumentParser:
+    """The parser; with ``argv``, only the group it names registers its subcommands (the others
+    are listed by name and help only). Without ``argv``, every group registers."""
+    chosen = _chosen_group(argv) if argv is not None else None
     parser = argparse.ArgumentParser(
         prog="echo2",
         description="echo2: a peer-to-peer rollout fleet for RL post-training.",
@@ -34,17 +51,19 @@ def build_parser() -> argparse.ArgumentParser:
     sub.required = True
     for name, (module, help_text) in _GROUPS.items():
         p = sub.add_parser(name, help=help_text, description=help_text)
-        importlib.import_module(module).register(p)
+        if argv is None or name == chosen:
+            importlib.import_module(module).register(p)
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = build_parser()
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = build_parser(argv)
     args = parser.parse_args(argv)
     configure(args.log_level, json_mode=False)
     func = getattr(args, "func", None)
     if func is None:
-        parser.parse_args([*(argv if argv is not None else sys.argv[1:]), "--help"])
+        parser.parse_args([*argv, "--help"])
         return 2
     try:
         return int(func(args) or 0)
