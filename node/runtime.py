@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import random
 import signal
 import time
 from dataclasses import dataclass, field
@@ -21,7 +20,10 @@ from typing import Any
 import trio
 
 from echo2 import __version__
+from echo2.fsutil import atomic_write
+from echo2.looplag import LoopLag
 from echo2.protocol import envelope, packing
+from echo2.protocol.backoff import Backoff
 from echo2.protocol.errors import Echo2Error, TransportError
 from echo2.protocol.identity import Identity
 from echo2.protocol.messages import (
@@ -128,6 +130,7 @@ class Node:
         # reports of peers that relayed us corrupt chunks, sent to the hub by the heartbeat loop
         self._pending_reports: list[RelayReport] = []
         self._reported: set[tuple[str, int]] = set()
+        self.loop_lag = LoopLag()
 
     @property
     def peer_id(self) -> str:
@@ -179,12 +182,11 @@ class Node:
             "price_usd_per_hour": self.cfg.price_usd_per_hour,
             "uptime_s": round(time.time() - self._started, 1),
             "addrs": self._addrs,
+            **self.loop_lag.report(),
             "updated": time.time(),
         }
-        path = self.cfg.data_dir / "node.state.json"
-        tmp = path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(state, indent=1))
-        os.replace(tmp, path)
+        # a status snapshot rewritten often: atomic for readers, not worth an fsync
+        atomic_write(self.cfg.data_dir / "node.state.json", json.dumps(state, indent=1), durable=False)
 
     # --- main ------------------------------------------------------------------------------------
     async def run(self) -> int:
@@ -202,6 +204,7 @@ class Node:
             if decision is None:
                 return 1
             async with trio.open_nursery() as nursery:
+                nursery.start_soon(self.loop_lag.run)
                 await nursery.start(self._policy_downlink)
                 nursery.start_soon(self._heartbeat, host)
                 nursery.start_soon(self._worker, host, nursery.cancel_scope)
@@ -246,7 +249,7 @@ class Node:
                  self.measured["upload_MBps"], self.measured["download_MBps"])
 
     async def _admit(self, host: ControlHost) -> AdmissionDecision | None:
-        backoff = 0.5
+        backoff = Backoff(base_s=0.5, cap_s=HUB_BACKOFF_CAP_S)
         measured = False
         while True:
             try:
@@ -271,9 +274,9 @@ class Node:
                 log.info("admitted by hub %s (staleness %d, current version %d)", self.hub_peer, d.staleness, d.current_version)
                 return d
             except (Echo2Error, OSError) as exc:
-                log.warning("cannot reach hub (%s); retrying in %.1fs", exc, backoff)
-                await trio.sleep(backoff * (0.75 + 0.5 * random.random()))
-                backoff = min(backoff * 2, HUB_BACKOFF_CAP_S)
+                delay = backoff.failed()
+                log.warning("cannot reach hub (%s); retrying in %.1fs", exc, delay)
+                await trio.sleep(delay)
 
     # --- policy versions -------------------------------------------------------------------------
     async def _policy_downlink(self, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
@@ -417,7 +420,7 @@ class Node:
             await trio.sleep(0.2)
 
     async def _worker(self, host: ControlHost, scope: trio.CancelScope) -> None:
-        backoff = 0.5
+        backoff = Backoff(base_s=0.5, cap_s=HUB_BACKOFF_CAP_S)
         while True:
             if self.held is None:
                 with trio.move_on_after(1.0):
@@ -439,15 +442,14 @@ class Node:
                         return
                     continue
                 log.warning("hub refused work request: %s", exc)
-                await trio.sleep(backoff)
-                backoff = min(backoff * 2, HUB_BACKOFF_CAP_S)
+                await trio.sleep(backoff.failed())
                 continue
             except (Echo2Error, OSError) as exc:
-                log.warning("work request failed (%s); retrying in %.1fs", exc, backoff)
-                await trio.sleep(backoff * (0.75 + 0.5 * random.random()))
-                backoff = min(backoff * 2, HUB_BACKOFF_CAP_S)
+                delay = backoff.failed()
+                log.warning("work request failed (%s); retrying in %.1fs", exc, delay)
+                await trio.sleep(delay)
                 continue
-            backoff = 0.5
+            backoff.reset()
             try:
                 acc = open_task(resp, hub_peer=self.hub_peer, me=self.peer_id,
                                 held_version=self.held.version if self.held else None, replay=self.replay)
