@@ -46,6 +46,9 @@ def summarize(st: dict[str, Any], nodes: int, steps: int, staleness: int, task: 
         "results_accepted": st.get("results_accepted", 0),
         "refused_by_reason": st.get("refused_by_reason", {}),
         "broadcast_last_node_s_median": (st.get("broadcast") or {}).get("last_node_s_median"),
+        # the hub's trio loop health (None from a hub that does not report it)
+        "loop_lag_p99_ms": st.get("loop_lag_p99_ms"),
+        "loop_lag_max_ms": st.get("loop_lag_max_ms"),
         "history": hist,
     }
 

@@ -61,6 +61,8 @@ def run_one(root: Path, s: int, args: argparse.Namespace) -> dict[str, Any]:
         "stale_dropped": st.get("stale_dropped", 0),
         "results_accepted": st.get("results_accepted", 0),
         "broadcast_last_node_s": (st.get("broadcast") or {}).get("last_node_s_median"),
+        "loop_lag_p99_ms": rep["loop_lag_p99_ms"],
+        "loop_lag_max_ms": rep["loop_lag_max_ms"],
         "curve": [(h["t"], h["reward"]) for h in hist],
     }
 
