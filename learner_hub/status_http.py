@@ -1,9 +1,10 @@
 """Operator status over HTTP: JSON, a server-rendered HTML page, and Prometheus metrics.
 
-A small HTTP/1.1 server on trio with h11 doing the parsing: GET/HEAD only, one request per
-connection (``Connection: close``), the request head read with a size limit and a timeout,
-everything else answered 400/405/404/431. The ``/metrics`` text is rendered by prometheus-client. It is read-only and binds to 127.0.0.1 by
-default, so exposing it is an explicit operator decision (e.g. through an SSH tunnel).
+A small HTTP/1.1 server on trio, h11 parsing the requests and framing the responses: GET only
+(HEAD and every other method get 405), one request per connection (``Connection: close``), the
+request head read with a size limit and a timeout, everything else answered 400/404/431/501.
+The ``/metrics`` text is rendered by prometheus-client. It is read-only and binds to 127.0.0.1
+by default, so exposing it is an explicit operator decision (e.g. through an SSH tunnel).
 
 Routes: ``/status.json`` (``status_provider()``), ``/`` (HTML rendered from the same dict, no
 JavaScript), ``/metrics`` (Prometheus text format 0.0.4 from ``metrics_provider()``).
@@ -401,7 +402,8 @@ class StatusServer:
                 return conn, event
             if isinstance(event, h11.ConnectionClosed):
                 return conn, None
-            data = await stream.receive_some(4096)
+            # never more than limit + 1 bytes: a head that does not end within the limit is 431
+            data = await stream.receive_some(min(4096, self.max_request_bytes + 1 - len(received)))
             received += data
             conn.receive_data(data)
 

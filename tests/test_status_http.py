@@ -186,6 +186,10 @@ def test_h11_edges_head_host_and_slow_clients() -> None:
             assert "echo2_loop_lag_p99_ms 1.5\n" in text and "echo2_loop_lag_max_ms 12.0\n" in text
             assert b"\r\nConnection: close\r\n" in resp and b"\r\nContent-Length: " in resp
             assert status_code(await raw_request(port, b"GET / HTTP/1.1\r\nHost: a\r\nHost: b\r\n\r\n")) == 400
+            # the head limit is exact: a head just under it is served, one just over it is 431
+            for size, code in ((8000, 200), (8300, 431), (12000, 431)):
+                head = b"GET / HTTP/1.1\r\nX-A: " + b"a" * (size - 25) + b"\r\n\r\n"
+                assert status_code(await raw_request(port, head)) == code, size
             assert status_code(await raw_request(port, b"GET /\xff HTTP/1.1\r\n\r\n")) == 400
             assert status_code(await raw_request(port, b"GET / HTTP/1.1\r\nX: \xff\r\n\r\n")) == 400
             assert status_code(await raw_request(port, b"GET / HTTP/1.1\r\nTransfer-Encoding: gzip\r\n\r\n")) >= 400
