@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import sys
 import time
 from pathlib import Path
 
@@ -68,14 +69,20 @@ def _init(args: argparse.Namespace) -> int:
 
 
 def _run(args: argparse.Namespace) -> int:
-    from echo2.learner_hub.config import load_config
+    from echo2.learner_hub.config import ConfigError, load_config
+
+    try:
+        cfg = load_config(args.config)
+        if args.steps is not None:
+            cfg.steps = args.steps
+        if args.exit_when_done:
+            cfg.exit_when_done = True
+        cfg.validate(f"{args.config} with --steps")
+    except ConfigError as exc:  # the operator's file or flags: say what is wrong, not a traceback
+        print(f"echo2 hub run: {exc.message}", file=sys.stderr)
+        return 1
     from echo2.learner_hub.hub import run_hub
 
-    cfg = load_config(args.config)
-    if args.steps is not None:
-        cfg.steps = args.steps
-    if args.exit_when_done:
-        cfg.exit_when_done = True
     return run_hub(cfg)
 
 

@@ -79,3 +79,14 @@ def test_hub_init_writes_a_loadable_commented_config(tmp_path: Path, capsys: pyt
     cfg = load_config(tmp_path / "hub.toml")
     assert cfg.task == "arith" and cfg.dir == str(tmp_path.resolve())
     assert main(["hub", "init", "--dir", str(tmp_path)]) == 1  # no overwrite without --force
+
+
+def test_hub_run_with_a_bad_config_says_why_without_a_traceback(tmp_path: Path,
+                                                                 capsys: pytest.CaptureFixture[str]) -> None:
+    p = tmp_path / "hub.toml"
+    p.write_text("[hub]\nstaleness = -1\n")
+    assert main(["hub", "run", "--config", str(p)]) == 1
+    assert f"{p}: staleness = -1: must be an integer >= 0" in capsys.readouterr().err
+    p.write_text("[hub]\n")
+    assert main(["hub", "run", "--config", str(p), "--steps", "-3"]) == 1
+    assert "steps = -3: must be an integer >= 0" in capsys.readouterr().err
