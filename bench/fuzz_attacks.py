@@ -68,8 +68,8 @@ class Fuzz:
         await trio.sleep(self.rng.expovariate(per_s))
 
     def _saw_exc(self, surface: str, exc: BaseException) -> None:
+        from echo2.protocol.handshake import HandshakeRefused
         from echo2.protocol.net.control import RemoteError
-        from echo2.protocol.net.dataplane import HandshakeRefused
 
         if isinstance(exc, RemoteError):
             self.saw[f"{surface}:{exc.code}"] += 1
@@ -283,9 +283,11 @@ class Fuzz:
     async def dataplane_fuzzer(self, port: int, name: str, rate: float) -> None:
         import trio
 
+        from echo2.protocol import dataframe as dp
         from echo2.protocol.errors import Echo2Error
+        from echo2.protocol.handshake import encode_hello
         from echo2.protocol.identity import Identity
-        from echo2.protocol.net import dataplane as dp
+        from echo2.protocol.net.dataplane import connect
 
         addr = f"127.0.0.1:{port}"
         while True:
@@ -301,8 +303,7 @@ class Fuzz:
                                 await stream.send_all(os.urandom(self.rng.randint(1, 200)))
                             elif kind == "bad_signature":
                                 ident = Identity.generate()
-                                await stream.send_all(dp._HELLO.pack(dp.HELLO_MAGIC, dp.PROTOCOL_VERSION,
-                                                                     ident.public_bytes, os.urandom(32)))
+                                await stream.send_all(encode_hello(ident.public_bytes, os.urandom(32)))
                                 await stream.send_all(os.urandom(64))
                             else:
                                 await trio.sleep(11)  # say nothing: the handshake must time out
@@ -313,7 +314,7 @@ class Fuzz:
                     else:
                         # a real handshake (the policy plane refuses strangers; the probe plane
                         # serves them), then hostile frames
-                        conn = await dp.connect(addr, Identity.generate(), self._server_peer(), timeout_s=5)
+                        conn = await connect(addr, Identity.generate(), self._server_peer(), timeout_s=5)
                         try:
                             sock = conn._stream
                             frame = self.rng.choice([

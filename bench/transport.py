@@ -167,8 +167,10 @@ async def _data_plane(nbytes: int, chunk: int, *, limit_MBps: float | None = Non
     pushes. Limited: the dialer sends one REQUEST and the rate-limited server answers."""
     import trio
 
+    from echo2.protocol.dataframe import FrameType, chunk_key
     from echo2.protocol.identity import Identity
-    from echo2.protocol.net.dataplane import DataConnection, DataPlaneServer, FrameType, chunk_key, connect
+    from echo2.protocol.net.connection import DataConnection
+    from echo2.protocol.net.dataplane import DataPlaneServer, connect
 
     pool = _payload_pool(chunk)
     keys = [chunk_key(c) for c in pool]

@@ -45,10 +45,11 @@ from typing import Any
 import trio
 
 from echo2.protocol import envelope
+from echo2.protocol.dataframe import FrameType
 from echo2.protocol.errors import ChunkMismatch, DecodeError, Echo2Error, SchemaError
 from echo2.protocol.identity import Identity
 from echo2.protocol.messages import BroadcastPlan, ChunkHave, ChunkRequest, HoldsVersion
-from echo2.protocol.net.dataplane import DataConnection, FrameType, duplex
+from echo2.protocol.net.connection import DataConnection, duplex
 from echo2.protocol.relay import Relay, Request, Send
 from echo2.protocol.wire import (
     ENC_FULL,

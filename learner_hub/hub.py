@@ -40,8 +40,8 @@ from echo2.protocol.messages import (
 )
 from echo2.protocol.net.control import ANNOUNCE_TOPIC, ControlHost, RequestLimits
 from echo2.protocol.net.dataplane import DataPlaneServer
-from echo2.protocol.net.peerlimit import KeyedRateLimiter
 from echo2.protocol.net.ratelimit import UploadLimiter
+from echo2.protocol.peerlimit import KeyedRateLimiter
 from echo2.protocol.wire import (
     ADMISSION,
     DECLINE,

@@ -31,6 +31,7 @@ from typing import Any
 import trio
 
 from echo2.protocol import envelope
+from echo2.protocol.dataframe import FrameType, parse_addr
 from echo2.protocol.errors import Echo2Error, HandshakeError, MeaningError, SchemaError
 from echo2.protocol.identity import Identity
 from echo2.protocol.messages import (
@@ -38,7 +39,7 @@ from echo2.protocol.messages import (
     ProbeReply,
 )
 from echo2.protocol.net import dataplane
-from echo2.protocol.net.dataplane import DataConnection, FrameType
+from echo2.protocol.net.connection import DataConnection, send_filler
 from echo2.protocol.wire import PROBE as PROBE
 
 log = logging.getLogger(__name__)
@@ -110,7 +111,7 @@ def data_dial_target(data_addr: str, observed_ip: str | None) -> str | None:
     if not data_addr:
         return None
     try:
-        host, port = dataplane.parse_addr(data_addr)
+        host, port = parse_addr(data_addr)
     except Echo2Error:
         return None
     if observed_ip:
@@ -315,7 +316,7 @@ async def handle_probe_connection(conn: DataConnection) -> None:
                 return
             moved += n
             if verb == "bw-down":
-                await dataplane.send_filler(conn, n)
+                await send_filler(conn, n)
                 await conn.send_request(f"bw-down-done {n}".encode())
             else:
                 seconds = await receive_bytes(conn, n)

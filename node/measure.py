@@ -19,14 +19,15 @@ from typing import Any
 import trio
 
 from echo2.protocol import canonical, envelope
+from echo2.protocol.dataframe import FrameType, parse_error
 from echo2.protocol.errors import DecodeError, Echo2Error, MeaningError, SchemaError, Timeout
 from echo2.protocol.identity import Identity
 from echo2.protocol.messages import (
     Announce,
     ProbeReply,
-    )
+)
 from echo2.protocol.net import dataplane
-from echo2.protocol.net.dataplane import DataConnection, FrameType
+from echo2.protocol.net.connection import DataConnection, send_filler
 from echo2.protocol.wire import PROBE
 
 log = logging.getLogger(__name__)
@@ -213,7 +214,7 @@ class Bandwidth:
 async def _expect_request(conn: DataConnection, prefix: bytes, timeout_s: float) -> bytes:
     frame = await conn.receive(timeout_s=timeout_s)
     if frame.type is FrameType.ERROR:
-        code, message = dataplane.parse_error(frame.payload)
+        code, message = parse_error(frame.payload)
         raise MeaningError(f"hub refused the bandwidth probe: [{code}] {message}")
     if frame.type is not FrameType.REQUEST or not bytes(frame.payload).startswith(prefix):
         raise DecodeError(f"unexpected {frame.type.name} frame in the bandwidth probe")
@@ -227,7 +228,7 @@ async def _download(conn: DataConnection, n: int, timeout_s: float) -> float:
     while got < n:
         frame = await conn.receive(timeout_s=timeout_s)
         if frame.type is FrameType.ERROR:
-            code, message = dataplane.parse_error(frame.payload)
+            code, message = parse_error(frame.payload)
             raise MeaningError(f"hub refused the bandwidth probe: [{code}] {message}")
         if frame.type is not FrameType.CHUNK:
             raise DecodeError(f"unexpected {frame.type.name} frame while downloading")
@@ -239,7 +240,7 @@ async def _download(conn: DataConnection, n: int, timeout_s: float) -> float:
 async def _upload(conn: DataConnection, n: int, timeout_s: float) -> float:
     t0 = time.perf_counter()
     await conn.send_request(f"bw-up {n}".encode())
-    await dataplane.send_filler(conn, n)
+    await send_filler(conn, n)
     await _expect_request(conn, b"bw-up-ack", timeout_s)
     return time.perf_counter() - t0
 

@@ -50,11 +50,13 @@ from typing import Any
 import trio
 
 from echo2.protocol import envelope, packing
+from echo2.protocol.dataframe import FrameType
 from echo2.protocol.errors import ChunkMismatch, DecodeError, Echo2Error, ManifestError, SchemaError
 from echo2.protocol.hashing import digest
 from echo2.protocol.identity import Identity
 from echo2.protocol.messages import BroadcastPlan, ChunkHave, ChunkRequest, HoldsVersion, Manifest
-from echo2.protocol.net.dataplane import DataConnection, DataPlaneServer, FrameType, connect, duplex
+from echo2.protocol.net.connection import DataConnection, duplex
+from echo2.protocol.net.dataplane import DataPlaneServer, connect
 from echo2.protocol.net.ratelimit import UploadLimiter
 from echo2.protocol.relay import Complete, Evidence, Relay, Report, Request, Send, bitmap_from_indices
 from echo2.protocol.wire import (

@@ -28,6 +28,14 @@ from echo2.protocol.errors import (
     TooLarge,
     TransportError,
 )
+from echo2.protocol.framing import (
+    FrameDecoder,
+    decode_header,
+    decode_response,
+    encode_error,
+    encode_frame,
+    encode_ok,
+)
 from echo2.protocol.identity import Identity
 from echo2.protocol.net.control import (
     ANNOUNCE_TOPIC,
@@ -35,14 +43,6 @@ from echo2.protocol.net.control import (
     RemoteError,
     backoff_delay,
     keypair_from_identity,
-)
-from echo2.protocol.net.framing import (
-    FrameDecoder,
-    decode_header,
-    decode_response,
-    encode_error,
-    encode_frame,
-    encode_ok,
 )
 
 ECHO = "/echo2/test-echo/1.0.0"

@@ -17,6 +17,9 @@ import blake3
 import pytest
 import trio
 
+from echo2.protocol import dataframe as df
+from echo2.protocol import handshake as hs
+from echo2.protocol.dataframe import HEADER, FrameType, chunk_key, parse_addr, parse_error
 from echo2.protocol.errors import (
     ChunkMismatch,
     HandshakeError,
@@ -24,20 +27,13 @@ from echo2.protocol.errors import (
     TooLarge,
     TransportError,
 )
+from echo2.protocol.handshake import HandshakeRefused
 from echo2.protocol.identity import Identity
+from echo2.protocol.net import connection as dpconn
 from echo2.protocol.net import dataplane as dp
 from echo2.protocol.net import rxthread
-from echo2.protocol.net.dataplane import (
-    HEADER,
-    DataConnection,
-    DataPlaneServer,
-    FrameType,
-    HandshakeRefused,
-    chunk_key,
-    connect,
-    parse_addr,
-    parse_error,
-)
+from echo2.protocol.net.connection import DataConnection
+from echo2.protocol.net.dataplane import DataPlaneServer, connect
 from echo2.protocol.net.ratelimit import UploadLimiter
 
 MiB = 1024 * 1024
@@ -61,9 +57,9 @@ async def serving(server: DataPlaneServer) -> AsyncIterator[DataPlaneServer]:
 
 async def raw_hello(stream: trio.SocketStream, pub: bytes, nonce: bytes) -> tuple[bytes, bytes]:
     """Send a hello claiming ``pub``; return the listener's (key, nonce)."""
-    await stream.send_all(dp._HELLO.pack(dp.HELLO_MAGIC, dp.PROTOCOL_VERSION, pub, nonce))
-    data = await dp._recv_exact(stream, dp._HELLO.size, "hello")
-    _, _, key, peer_nonce = dp._HELLO.unpack(data)
+    await stream.send_all(hs.HELLO.pack(hs.HELLO_MAGIC, hs.PROTOCOL_VERSION, pub, nonce))
+    data = await dp._recv_exact(stream, hs.HELLO.size, "hello")
+    _, _, key, peer_nonce = hs.HELLO.unpack(data)
     return key, peer_nonce
 
 
@@ -113,11 +109,11 @@ def test_handshake_and_roundtrip() -> None:
             await conn.aclose()
             assert (
                 conn.bytes_sent
-                == 4 * dp.HEADER_SIZE
+                == 4 * df.HEADER_SIZE
                 + 3
                 + len(chunk)
-                + len(dp.encode_error("chunk_mismatch", "bad chunk 3 \u2603"))
-                + dp.HEADER_SIZE
+                + len(df.encode_error("chunk_mismatch", "bad chunk 3 \u2603"))
+                + df.HEADER_SIZE
             )
             assert server.stats.connections == 1
             assert server.stats.bytes_received >= len(chunk)
@@ -160,11 +156,11 @@ def test_listener_claiming_a_key_it_does_not_hold_is_refused() -> None:
     victim, impostor, client_id = Identity.generate(), Identity.generate(), Identity.generate()
 
     async def fake_listener(stream: trio.SocketStream) -> None:
-        their = await dp._recv_exact(stream, dp._HELLO.size, "hello")
-        _, _, dialer_key, dialer_nonce = dp._HELLO.unpack(their)
+        their = await dp._recv_exact(stream, hs.HELLO.size, "hello")
+        _, _, dialer_key, dialer_nonce = hs.HELLO.unpack(their)
         nonce = os.urandom(32)
-        await stream.send_all(dp._HELLO.pack(dp.HELLO_MAGIC, 1, victim.public_bytes, nonce))
-        transcript = dp._transcript(dialer_nonce, nonce, dialer_key, victim.public_bytes)
+        await stream.send_all(hs.HELLO.pack(hs.HELLO_MAGIC, 1, victim.public_bytes, nonce))
+        transcript = hs.transcript(dialer_nonce, nonce, dialer_key, victim.public_bytes)
         await stream.send_all(impostor.sign(transcript + b"L"))
         await read_all(stream)
 
@@ -197,7 +193,7 @@ def test_listener_refuses_dialer_that_cannot_prove_its_key(attack: str) -> None:
             stream = await trio.open_tcp_stream("127.0.0.1", server.port)
             my_nonce = os.urandom(32)
             lkey, lnonce = await raw_hello(stream, victim.public_bytes, my_nonce)
-            transcript = dp._transcript(my_nonce, lnonce, victim.public_bytes, lkey)
+            transcript = hs.transcript(my_nonce, lnonce, victim.public_bytes, lkey)
             if attack == "impostor":  # claims the victim's key, signs with its own
                 sig = attacker.sign(transcript + b"D")
             elif attack == "garbage_sig":
@@ -205,7 +201,7 @@ def test_listener_refuses_dialer_that_cannot_prove_its_key(attack: str) -> None:
             elif attack == "reflected_role":  # a listener-role signature is no dialer proof
                 sig = victim.sign(transcript + b"L")
             else:  # a signature over another session's nonces
-                sig = victim.sign(dp._transcript(my_nonce, os.urandom(32), victim.public_bytes, lkey) + b"D")
+                sig = victim.sign(hs.transcript(my_nonce, os.urandom(32), victim.public_bytes, lkey) + b"D")
             await stream.send_all(sig)
             await dp._recv_exact(stream, 64, "listener signature")
             assert await read_all(stream) == b""  # no verdict byte: closed on us
@@ -276,7 +272,7 @@ def test_server_survives_garbage_and_silent_clients() -> None:
         server = DataPlaneServer(server_id, handler, handshake_timeout_s=0.5)
         async with serving(server):
             silent = await trio.open_tcp_stream("127.0.0.1", server.port)  # never speaks
-            for junk in [os.urandom(dp._HELLO.size), b"GET / HTTP/1.1\r\n\r\n" * 5, b"\x00"]:
+            for junk in [os.urandom(hs.HELLO.size), b"GET / HTTP/1.1\r\n\r\n" * 5, b"\x00"]:
                 s = await trio.open_tcp_stream("127.0.0.1", server.port)
                 try:
                     await s.send_all(junk)
@@ -287,7 +283,7 @@ def test_server_survives_garbage_and_silent_clients() -> None:
                 await s.aclose()
             # wrong protocol version, right magic
             s = await trio.open_tcp_stream("127.0.0.1", server.port)
-            await s.send_all(dp._HELLO.pack(dp.HELLO_MAGIC, 99, honest.public_bytes, os.urandom(32)))
+            await s.send_all(hs.HELLO.pack(hs.HELLO_MAGIC, 99, honest.public_bytes, os.urandom(32)))
             await read_all(s)
             await s.aclose()
             conn = await connect(server.addr, honest, server_id.peer_id, timeout_s=5)
@@ -383,7 +379,7 @@ def test_oversized_frame_refused_before_body(ftype: FrameType) -> None:
         server = DataPlaneServer(server_id, handler)
         async with serving(server):
             conn = await connect(server.addr, client_id, server_id.peer_id, timeout_s=5)
-            too_big = dp.DEFAULT_MAX_SIZES[ftype] + 1
+            too_big = df.DEFAULT_MAX_SIZES[ftype] + 1
             await conn._stream.send_all(HEADER.pack(ftype, bytes(32), too_big))
             with pytest.raises(TransportError):
                 await conn.receive()  # the server aborts: no BYE
@@ -423,7 +419,7 @@ def test_sender_refuses_oversized_frame_locally() -> None:
         async with serving(DataPlaneServer(server_id, handler)) as server:
             conn = await connect(server.addr, client_id, server_id.peer_id, timeout_s=5)
             with pytest.raises(TooLarge):
-                await conn.send_request(bytes(dp.DEFAULT_MAX_SIZES[FrameType.REQUEST] + 1))
+                await conn.send_request(bytes(df.DEFAULT_MAX_SIZES[FrameType.REQUEST] + 1))
             assert conn.usable
             await conn.aclose()
 
@@ -544,7 +540,7 @@ def _open_fds() -> int:
 def test_body_larger_than_one_buffer_arrives_whole_and_verified() -> None:
     # 8 MiB + 5 spans two receive buffers (and two worker hand-offs) but one hash.
     server_id, client_id = Identity.generate(), Identity.generate()
-    data = os.urandom(dp._ALLOC_STEP + 5)
+    data = os.urandom(dpconn._ALLOC_STEP + 5)
     outcome: dict[str, Any] = {}
 
     async def handler(conn: DataConnection) -> None:
@@ -848,11 +844,11 @@ def test_rate_limit_per_process_is_shared_between_connections() -> None:
 
 
 def test_counters_add_up() -> None:
-    before_sent, before_recv = dp.STATS.bytes_sent, dp.STATS.bytes_received
+    before_sent, before_recv = dpconn.STATS.bytes_sent, dpconn.STATS.bytes_received
     run(lambda: _timed_transfer(2_000_000, server_kw={}, client_kw={}, server_sends=False))
-    moved = 2 * (1_000_000 + dp.HEADER_SIZE)
-    assert dp.STATS.bytes_sent - before_sent >= moved
-    assert dp.STATS.bytes_received - before_recv >= moved
+    moved = 2 * (1_000_000 + df.HEADER_SIZE)
+    assert dpconn.STATS.bytes_sent - before_sent >= moved
+    assert dpconn.STATS.bytes_received - before_recv >= moved
 
 
 def test_frame_header_layout_is_stable() -> None:

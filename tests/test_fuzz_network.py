@@ -17,13 +17,18 @@ import trio
 from libp2p.custom_types import TProtocol
 from libp2p.peer.id import ID
 
+from echo2.protocol import dataframe as df
 from echo2.protocol import envelope
+from echo2.protocol import handshake as hs
+from echo2.protocol.dataframe import FrameType
 from echo2.protocol.errors import Echo2Error
+from echo2.protocol.framing import RemoteError
 from echo2.protocol.identity import Identity
 from echo2.protocol.messages import Heartbeat
 from echo2.protocol.net import dataplane as dp
-from echo2.protocol.net.control import ControlHost, RemoteError
-from echo2.protocol.net.dataplane import DataConnection, DataPlaneServer, FrameType
+from echo2.protocol.net.connection import DataConnection
+from echo2.protocol.net.control import ControlHost
+from echo2.protocol.net.dataplane import DataPlaneServer
 
 PROTO = "/echo2/fuzz-target/1.0.0"
 
@@ -146,15 +151,15 @@ def test_dataplane_server_survives_garbage() -> None:
             for n in (1, 10, 72, 200):
                 await raw(os.urandom(n))  # garbage, too short or a wrong magic
             ident = Identity.generate()
-            hello = dp._HELLO.pack(dp.HELLO_MAGIC, dp.PROTOCOL_VERSION, ident.public_bytes, os.urandom(32))
+            hello = hs.HELLO.pack(hs.HELLO_MAGIC, hs.PROTOCOL_VERSION, ident.public_bytes, os.urandom(32))
             await raw(hello + os.urandom(64))  # a signature that proves nothing
             await raw(hello[:-1], wait=False)  # a hello cut short, then EOF
             await raw(b"", wait=True)  # connect and say nothing: the handshake times out
             for frame in (
-                dp.HEADER.pack(FrameType.REQUEST, dp.ZERO_KEY, 2**40),
-                dp.HEADER.pack(77, dp.ZERO_KEY, 0),
-                dp.HEADER.pack(FrameType.CHUNK, os.urandom(32), 4) + b"abcd",
-                dp.HEADER.pack(FrameType.REQUEST, dp.ZERO_KEY, 100) + b"cut",
+                df.HEADER.pack(FrameType.REQUEST, df.ZERO_KEY, 2**40),
+                df.HEADER.pack(77, df.ZERO_KEY, 0),
+                df.HEADER.pack(FrameType.CHUNK, os.urandom(32), 4) + b"abcd",
+                df.HEADER.pack(FrameType.REQUEST, df.ZERO_KEY, 100) + b"cut",
             ):
                 conn = await dp.connect(server.addr, Identity.generate(), server_id.peer_id, timeout_s=5)
                 with trio.move_on_after(3):

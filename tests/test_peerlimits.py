@@ -13,10 +13,12 @@ import pytest
 import trio
 
 from echo2.protocol.errors import Echo2Error, HandshakeError
+from echo2.protocol.framing import RemoteError
 from echo2.protocol.identity import Identity
-from echo2.protocol.net.control import ControlHost, RemoteError, RequestLimits
-from echo2.protocol.net.dataplane import DataConnection, DataPlaneServer, connect
-from echo2.protocol.net.peerlimit import ConcurrencyLimiter, KeyedRateLimiter, LogThrottle
+from echo2.protocol.net.connection import DataConnection
+from echo2.protocol.net.control import ControlHost, RequestLimits
+from echo2.protocol.net.dataplane import DataPlaneServer, connect
+from echo2.protocol.peerlimit import ConcurrencyLimiter, KeyedRateLimiter, LogThrottle
 
 ECHO = "/echo2/test-limits/1.0.0"
 

@@ -18,9 +18,10 @@ from echo2.learner_hub import probe_service as hubprobe
 from echo2.node import hardware, measure
 from echo2.protocol import envelope, modelspec
 from echo2.protocol.errors import Echo2Error, MeaningError, SchemaError
+from echo2.protocol.framing import RemoteError
 from echo2.protocol.identity import Identity
 from echo2.protocol.messages import Announce
-from echo2.protocol.net.control import ControlHost, RemoteError
+from echo2.protocol.net.control import ControlHost
 from echo2.protocol.net.dataplane import DataPlaneServer
 
 
@@ -227,6 +228,7 @@ def test_bandwidth_responder_refuses_bad_requests() -> None:
     hub_id, node_id = Identity.generate(), Identity.generate()
 
     async def main() -> None:
+        from echo2.protocol.dataframe import FrameType, parse_error
         from echo2.protocol.net import dataplane
 
         async with trio.open_nursery() as nursery:
@@ -236,8 +238,8 @@ def test_bandwidth_responder_refuses_bad_requests() -> None:
             async with conn:
                 await conn.send_request(b"bw-down 99999999999")
                 frame = await conn.receive(timeout_s=5)
-                assert frame.type is dataplane.FrameType.ERROR
-                assert dataplane.parse_error(frame.payload)[0] == "bad_request"
+                assert frame.type is FrameType.ERROR
+                assert parse_error(frame.payload)[0] == "bad_request"
             nursery.cancel_scope.cancel()
 
     run(main)

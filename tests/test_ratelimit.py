@@ -8,14 +8,8 @@ import pytest
 import trio
 import trio.testing
 
-from echo2.protocol.net.ratelimit import (
-    MB,
-    MIN_BURST_BYTES,
-    TokenBucket,
-    UploadLimiter,
-    acquire_all,
-    bucket_for_MBps,
-)
+from echo2.protocol.net.ratelimit import UploadLimiter, acquire_all
+from echo2.protocol.tokenbucket import MB, MIN_BURST_BYTES, TokenBucket, bucket_for_MBps
 
 
 def test_burst_is_free_then_debt_costs_time() -> None:

@@ -78,8 +78,7 @@ from ..errors import (
     TooLarge,
     TransportError,
 )
-from ..identity import Identity
-from .framing import (
+from ..framing import (
     HEADER_SIZE,
     MAX_ERROR_PAYLOAD,
     STATUS_OK,
@@ -90,7 +89,8 @@ from .framing import (
     encode_frame,
     encode_ok,
 )
-from .peerlimit import ConcurrencyLimiter, KeyedRateLimiter, LogThrottle
+from ..identity import Identity
+from ..peerlimit import ConcurrencyLimiter, KeyedRateLimiter, LogThrottle
 
 __all__ = [
     "ANNOUNCE_TOPIC",

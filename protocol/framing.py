@@ -15,8 +15,8 @@ from __future__ import annotations
 import struct
 from typing import Any
 
-from .. import canonical
-from ..errors import DecodeError, ProtocolError, TooLarge
+from . import canonical
+from .errors import DecodeError, ProtocolError, TooLarge
 
 HEADER_SIZE = 4
 MAX_FRAME_LIMIT = 2**32 - 1

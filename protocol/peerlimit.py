@@ -12,7 +12,7 @@ import logging
 from collections import Counter, OrderedDict
 from collections.abc import Hashable
 
-from .ratelimit import TokenBucket
+from .tokenbucket import TokenBucket
 
 __all__ = ["ConcurrencyLimiter", "KeyedRateLimiter", "LogThrottle"]
 
