@@ -68,8 +68,8 @@ class Fuzz:
         await trio.sleep(self.rng.expovariate(per_s))
 
     def _saw_exc(self, surface: str, exc: BaseException) -> None:
+        from echo2.protocol.framing import RemoteError
         from echo2.protocol.handshake import HandshakeRefused
-        from echo2.protocol.net.control import RemoteError
 
         if isinstance(exc, RemoteError):
             self.saw[f"{surface}:{exc.code}"] += 1

@@ -176,9 +176,10 @@ async def network_checks(
 
     from echo2 import __version__
     from echo2.protocol.errors import Echo2Error
+    from echo2.protocol.framing import RemoteError
     from echo2.protocol.identity import Identity
     from echo2.protocol.messages import Announce
-    from echo2.protocol.net.control import ControlHost, RemoteError
+    from echo2.protocol.net.control import ControlHost
 
     from .measure import measure_bandwidth, probe_hub
 

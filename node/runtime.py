@@ -25,6 +25,7 @@ from echo2.looplag import LoopLag
 from echo2.protocol import envelope, packing
 from echo2.protocol.backoff import Backoff
 from echo2.protocol.errors import Echo2Error, TransportError
+from echo2.protocol.framing import RemoteError
 from echo2.protocol.identity import Identity
 from echo2.protocol.messages import (
     AdmissionDecision,
@@ -38,7 +39,7 @@ from echo2.protocol.messages import (
     TaskDecline,
     task_hash,
 )
-from echo2.protocol.net.control import ANNOUNCE_TOPIC, ControlHost, RemoteError
+from echo2.protocol.net.control import ANNOUNCE_TOPIC, ControlHost
 from echo2.protocol.wire import (
     ADMISSION,
     DECLINE,

@@ -47,9 +47,10 @@ from echo2.node.relay_runtime import RelayNode
 from echo2.node.runtime import Node, NodeConfig
 from echo2.protocol import envelope
 from echo2.protocol.errors import Echo2Error
+from echo2.protocol.framing import RemoteError
 from echo2.protocol.identity import Identity
 from echo2.protocol.messages import Completion, Result, Task, task_hash
-from echo2.protocol.net.control import ControlHost, RemoteError
+from echo2.protocol.net.control import ControlHost
 from echo2.protocol.wire import MAX_CONTROL_REQUEST, RESULT
 
 log = logging.getLogger("hostile_node")

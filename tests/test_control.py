@@ -20,6 +20,7 @@ from libp2p.security.insecure.transport import PLAINTEXT_PROTOCOL_ID, InsecureTr
 from libp2p.stream_muxer.yamux.yamux import PROTOCOL_ID as YAMUX_PROTOCOL_ID
 from libp2p.stream_muxer.yamux.yamux import Yamux
 
+from echo2.protocol.backoff import backoff_delay
 from echo2.protocol.errors import (
     DecodeError,
     HandshakeError,
@@ -30,6 +31,7 @@ from echo2.protocol.errors import (
 )
 from echo2.protocol.framing import (
     FrameDecoder,
+    RemoteError,
     decode_header,
     decode_response,
     encode_error,
@@ -37,13 +39,8 @@ from echo2.protocol.framing import (
     encode_ok,
 )
 from echo2.protocol.identity import Identity
-from echo2.protocol.net.control import (
-    ANNOUNCE_TOPIC,
-    ControlHost,
-    RemoteError,
-    backoff_delay,
-    keypair_from_identity,
-)
+from echo2.protocol.net.control import ANNOUNCE_TOPIC, ControlHost
+from echo2.protocol.net.libp2p_host import keypair_from_identity
 
 ECHO = "/echo2/test-echo/1.0.0"
 
