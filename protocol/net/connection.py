@@ -118,8 +118,9 @@ def count_refusal(key: str, server_stats: DataPlaneStats | None = None) -> None:
 
 
 class DataConnection:
-    """An authenticated data-plane connection. Made by :func:`connect` or handed to a
-    :class:`DataPlaneServer` handler; not constructed directly.
+    """An authenticated data-plane connection. Made by :func:`~echo2.protocol.net.dataplane.connect`
+    or handed to a :class:`~echo2.protocol.net.dataplane.DataPlaneServer` handler; not constructed
+    directly.
 
     One task may send while another receives; concurrent senders are serialised frame by frame.
     """

@@ -3,15 +3,18 @@
 Standard stack only, so any libp2p implementation can talk to us: TCP, Noise (XX, Ed25519
 identity), Yamux, identify, ping (``/ipfs/ping/1.0.0``) and GossipSub v1.1 (``/meshsub/1.1.0``,
 with ``/meshsub/1.0.0`` as fallback). Request/response protocols carry one length-prefixed frame
-each way (see :mod:`echo2.protocol.framing`); the payloads are the foundation's signed envelopes, opaque here.
+each way (see :mod:`echo2.protocol.framing`); the payloads are the foundation's signed
+envelopes, opaque here.
 
-How the py-libp2p 0.8.1 traps (BRIEF §9) are handled:
+This module holds the host's lifecycle, connections and bootstrap peers; the host is built in
+:mod:`.libp2p_host`, requests are served and sent in :mod:`.reqresp`, gossip runs in
+:mod:`.gossip`. How the py-libp2p 0.8.1 traps (BRIEF §9) are handled:
 
 * The default security list also offers ``/plaintext/2.0.0``, secio and TLS: we pass ``sec_opt``
   with Noise alone, so multistream-select answers ``na`` to anything else and the upgrade fails.
   ``muxer_opt`` holds Yamux alone (the default also offers Mplex).
 * A stream handler that raises kills the host: every handler we register is wrapped by
-  :meth:`ControlHost._serve_stream`, which catches ``Exception`` (not ``BaseException``, so trio
+  :meth:`~echo2.protocol.net.reqresp.RequestResponse._serve_stream`, which catches ``Exception`` (not ``BaseException``, so trio
   cancellation still works), replies with an error frame where it still can, logs with the
   peer ID and counts the refusal.
 * A dead peer mid-read looks like a clean EOF: every message is length-prefixed and a short read
