@@ -651,7 +651,7 @@ class Hub:
     def _spot_check(self, groups: list[Any], current: int) -> dict[str, float]:
         """Recompute a sample of stale rows (one per node and version) under the published
         parent version they were made with, kept by the publisher (worker thread)."""
-        from echo2.protocol import packing
+        from echo2.models import statedict
         from echo2.protocol.modelspec import teacher_forced_logprobs
 
         # rows of the current version are already checked in the step when nodes run the master
@@ -677,7 +677,7 @@ class Hub:
             pub = self.publisher.recent.get(version)
             if pub is None:
                 continue
-            sd = packing.assemble(pub.packed.manifest, pub.packed.raw_chunks)
+            sd = statedict.assemble(pub.packed.manifest, pub.packed.raw_chunks)
             self._scratch.load_state_dict({k: t.float() if t.is_floating_point() else t for k, t in sd.items()})
             for (peer, v), (prompt, smp) in picked.items():
                 if v != version:

@@ -22,7 +22,8 @@ import trio
 from echo2 import __version__
 from echo2.fsutil import atomic_write
 from echo2.looplag import LoopLag
-from echo2.protocol import envelope, packing
+from echo2.models import statedict
+from echo2.protocol import envelope
 from echo2.protocol.backoff import Backoff
 from echo2.protocol.errors import Echo2Error, TransportError
 from echo2.protocol.identity import Identity
@@ -359,7 +360,7 @@ class Node:
     async def _load(self, held: HeldVersion, receive_s: float) -> None:
         m = held.manifest
         t0 = time.monotonic()
-        sd = await trio.to_thread.run_sync(packing.assemble, m, held.raw_chunks)
+        sd = await trio.to_thread.run_sync(statedict.assemble, m, held.raw_chunks)
         config_changed = self.held is None or self.held.manifest.model_config != m.model_config
         if config_changed:
             await trio.to_thread.run_sync(self._check_fit, m.model_config)
