@@ -97,7 +97,7 @@ class Hub:
     def __init__(self, cfg: HubConfig) -> None:
         import torch
 
-        from echo2.protocol import modelspec
+        from echo2.models import spec as modelspec
 
         from .envs import make_env
         from .learner import Learner
@@ -652,7 +652,7 @@ class Hub:
         """Recompute a sample of stale rows (one per node and version) under the published
         parent version they were made with, kept by the publisher (worker thread)."""
         from echo2.models import statedict
-        from echo2.protocol.modelspec import teacher_forced_logprobs
+        from echo2.models.spec import teacher_forced_logprobs
 
         # rows of the current version are already checked in the step when nodes run the master
         # weights themselves; otherwise they are spot-checked here like stale ones

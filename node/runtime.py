@@ -191,7 +191,7 @@ class Node:
 
     # --- main ------------------------------------------------------------------------------------
     async def run(self) -> int:
-        from echo2.node.engine import select_engine
+        from echo2.models.engine import select_engine
 
         if self.cfg.threads:
             import torch
