@@ -22,9 +22,9 @@ from typing import Any
 
 import trio
 
+from echo2.keyfile import load_or_create_identity
 from echo2.protocol import canonical, envelope
 from echo2.protocol.errors import Echo2Error, MeaningError, NotAdmitted, SignerNotAllowed
-from echo2.protocol.identity import Identity
 from echo2.protocol.messages import (
     AdmissionDecision,
     AdmissionRequest,
@@ -105,7 +105,7 @@ class Hub:
         self.cfg = cfg
         self.dir = Path(cfg.dir)
         self.dir.mkdir(mode=0o700, parents=True, exist_ok=True)
-        self.identity = Identity.load_or_create(self.dir / "hub.key")
+        self.identity = load_or_create_identity(self.dir / "hub.key")
         torch.manual_seed(cfg.seed)
         dtype = torch.bfloat16 if cfg.dtype == "bfloat16" else torch.float32
         if cfg.model == "tiny":

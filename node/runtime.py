@@ -21,12 +21,12 @@ import trio
 
 from echo2 import __version__
 from echo2.fsutil import atomic_write
+from echo2.keyfile import load_or_create_identity
 from echo2.looplag import LoopLag
 from echo2.models import statedict
 from echo2.protocol import envelope
 from echo2.protocol.backoff import Backoff
 from echo2.protocol.errors import Echo2Error, TransportError
-from echo2.protocol.identity import Identity
 from echo2.protocol.messages import (
     AdmissionDecision,
     AdmissionRequest,
@@ -107,7 +107,7 @@ class Node:
     def __init__(self, cfg: NodeConfig) -> None:
         self.cfg = cfg
         cfg.data_dir.mkdir(parents=True, exist_ok=True)
-        self.identity = Identity.load_or_create(cfg.data_dir / "node.key")
+        self.identity = load_or_create_identity(cfg.data_dir / "node.key")
         self.hub_peer = hub_peer_id(cfg.hub)
         self.stats = NodeStats()
         self.held: HeldVersion | None = None
