@@ -1,6 +1,6 @@
 """``python -m echo2.bench.gpu_check``: exercise the vLLM engine for real on a GPU machine.
 
-Loads a policy into :class:`echo2.node.engine_vllm.VLLMEngine`, samples with per-token
+Loads a policy into :class:`echo2.models.engine_vllm.VLLMEngine`, samples with per-token
 log-probs, checks them against a teacher-forced recompute in transformers, then loads a new
 version in place (no engine restart) and checks that the outputs follow the new weights. Prints a
 JSON report; exits 2 (with the reason) where there is no CUDA GPU or no vLLM, 1 on a failed check.
@@ -31,8 +31,8 @@ def main(argv: list[str] | None = None) -> int:
         print('vLLM is not installed: pip install "echo2[vllm]"', file=sys.stderr)
         return 2
 
-    from echo2.node.engine_vllm import VLLMEngine
-    from echo2.protocol import modelspec
+    from echo2.models import spec as modelspec
+    from echo2.models.engine_vllm import VLLMEngine
 
     torch.manual_seed(0)
     if args.model == "tiny":

@@ -101,7 +101,7 @@ def load_model(spec: str, cache_dir: Path) -> tuple[Any, str, dict[str, bytes], 
     """(model, model_config JSON, artifacts, display name)."""
     import torch
 
-    from echo2.protocol import modelspec
+    from echo2.models import spec as modelspec
 
     if spec == "tiny":
         torch.manual_seed(0)
@@ -242,7 +242,7 @@ def measure(
 def run(args: argparse.Namespace) -> int:
     import torch
 
-    from echo2.node.engine import select_engine
+    from echo2.models.engine import select_engine
     from echo2.node.measure import fixed_prompts
 
     if args.threads:

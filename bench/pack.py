@@ -89,6 +89,7 @@ def _train(cfg: Any, lr: float, warmup: int) -> tuple[dict[str, Any], dict[str, 
 def run(args: argparse.Namespace) -> int:
     import torch
 
+    from echo2.models import statedict
     from echo2.protocol import packing
 
     torch.manual_seed(args.seed)
@@ -101,14 +102,14 @@ def run(args: argparse.Namespace) -> int:
     changed = sum(int((sd1[k].view(torch.int16) != sd2[k].view(torch.int16)).sum()) for k in sd1)
     common: dict[str, Any] = {"model_config": cfg.to_json_string(), "artifacts": {}, "chunk_size": chunk_size,
                               "level": args.level, "bf16_split": split}
-    v1 = packing.pack_version(sd1, version=1, parent=None, **common)
+    v1 = statedict.pack_version(sd1, version=1, parent=None, **common)
     encode_s = math.inf
     for _ in range(max(1, args.repeat)):
         t = time.perf_counter()
-        v2 = packing.pack_version(sd2, version=2, parent=v1, **common)
+        v2 = statedict.pack_version(sd2, version=2, parent=v1, **common)
         encode_s = min(encode_s, time.perf_counter() - t)
     t = time.perf_counter()
-    v2_full = packing.pack_version(sd2, version=2, parent=None, **common)
+    v2_full = statedict.pack_version(sd2, version=2, parent=None, **common)
     full_encode_s = time.perf_counter() - t
     full_bytes = v2_full.encoded_bytes
     del v2_full
@@ -127,7 +128,7 @@ def run(args: argparse.Namespace) -> int:
             )
             for c, enc in zip(man.chunks, v2.encoded, strict=True)
         ]
-        out = packing.assemble(man, raws, verify=False)
+        out = statedict.assemble(man, raws, verify=False)
         decode_s = min(decode_s, time.perf_counter() - t)
         del raws
     equal = set(out) == set(sd2) and all(

@@ -50,8 +50,8 @@ def register(parser: argparse.ArgumentParser) -> None:
 
 
 def _init(args: argparse.Namespace) -> int:
+    from echo2.keyfile import load_or_create_identity
     from echo2.learner_hub.config import HubConfig, render_config
-    from echo2.protocol.identity import Identity
 
     d: Path = args.dir
     d.mkdir(parents=True, exist_ok=True)
@@ -62,7 +62,7 @@ def _init(args: argparse.Namespace) -> int:
     cfg = HubConfig(dir=".", task=args.task, model=args.model)
     cfg.validate()
     cfg_path.write_text(render_config(cfg))
-    ident = Identity.load_or_create(d / "hub.key")
+    ident = load_or_create_identity(d / "hub.key")
     print(f"wrote {cfg_path}\nhub peer ID {ident.peer_id} (key in {d / 'hub.key'}, mode 0600)")
     print(f"start it with: echo2 hub run --config {cfg_path}")
     return 0
@@ -108,11 +108,11 @@ def _admit(args: argparse.Namespace) -> int:
 
 
 def _token(args: argparse.Namespace) -> int:
+    from echo2.keyfile import load_identity
     from echo2.learner_hub.admission import make_join_token, parse_duration
-    from echo2.protocol.identity import Identity
 
     ttl = parse_duration(args.expires)
-    ident = Identity.load(args.dir / "hub.key")
+    ident = load_identity(args.dir / "hub.key")
     print(make_join_token(ident, ttl_s=ttl, now=time.time(), peer_id=args.peer))
     return 0
 

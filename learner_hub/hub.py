@@ -22,9 +22,9 @@ from typing import Any
 
 import trio
 
+from echo2.keyfile import load_or_create_identity
 from echo2.protocol import canonical, envelope
 from echo2.protocol.errors import Echo2Error, MeaningError, NotAdmitted, SignerNotAllowed
-from echo2.protocol.identity import Identity
 from echo2.protocol.messages import (
     AdmissionDecision,
     AdmissionRequest,
@@ -97,7 +97,7 @@ class Hub:
     def __init__(self, cfg: HubConfig) -> None:
         import torch
 
-        from echo2.protocol import modelspec
+        from echo2.models import spec as modelspec
 
         from .envs import make_env
         from .learner import Learner
@@ -105,7 +105,7 @@ class Hub:
         self.cfg = cfg
         self.dir = Path(cfg.dir)
         self.dir.mkdir(mode=0o700, parents=True, exist_ok=True)
-        self.identity = Identity.load_or_create(self.dir / "hub.key")
+        self.identity = load_or_create_identity(self.dir / "hub.key")
         torch.manual_seed(cfg.seed)
         dtype = torch.bfloat16 if cfg.dtype == "bfloat16" else torch.float32
         if cfg.model == "tiny":
@@ -651,8 +651,8 @@ class Hub:
     def _spot_check(self, groups: list[Any], current: int) -> dict[str, float]:
         """Recompute a sample of stale rows (one per node and version) under the published
         parent version they were made with, kept by the publisher (worker thread)."""
-        from echo2.protocol import packing
-        from echo2.protocol.modelspec import teacher_forced_logprobs
+        from echo2.models import statedict
+        from echo2.models.spec import teacher_forced_logprobs
 
         # rows of the current version are already checked in the step when nodes run the master
         # weights themselves; otherwise they are spot-checked here like stale ones
@@ -677,7 +677,7 @@ class Hub:
             pub = self.publisher.recent.get(version)
             if pub is None:
                 continue
-            sd = packing.assemble(pub.packed.manifest, pub.packed.raw_chunks)
+            sd = statedict.assemble(pub.packed.manifest, pub.packed.raw_chunks)
             self._scratch.load_state_dict({k: t.float() if t.is_floating_point() else t for k, t in sd.items()})
             for (peer, v), (prompt, smp) in picked.items():
                 if v != version:

@@ -16,6 +16,7 @@ from typing import Any, Protocol
 
 import trio
 
+from echo2.models import statedict
 from echo2.protocol import envelope, packing
 from echo2.protocol.errors import Echo2Error
 from echo2.protocol.identity import Identity
@@ -64,7 +65,7 @@ class PolicyPublisher:
         parent = self.latest.packed if self.latest else None
 
         def pack() -> Any:
-            return packing.pack_version(
+            return statedict.pack_version(
                 state_dict,
                 version=version,
                 parent=parent,

@@ -138,8 +138,8 @@ def check_disk(hw: Any, data_dir: Path) -> Check:
 
 def check_identity(data_dir: Path) -> tuple[Check, Any]:
     """(check, the Identity to use or None)."""
+    from echo2.keyfile import load_identity
     from echo2.protocol.errors import IdentityError
-    from echo2.protocol.identity import Identity
 
     path = data_dir / "node.key"
     if not path.exists():
@@ -148,7 +148,7 @@ def check_identity(data_dir: Path) -> tuple[Check, Any]:
     if mode & 0o077:
         return Check("identity", FAIL, f"{path} has mode {mode:04o}: others can read your key", f"chmod 600 {path}"), None
     try:
-        ident = Identity.load(path)
+        ident = load_identity(path)
     except (IdentityError, OSError) as exc:
         return Check(
             "identity", FAIL, f"{path} does not load: {exc}", f"move {path} away; a new identity (new peer ID) is made on the next run"

@@ -49,6 +49,7 @@ from typing import Any
 
 import trio
 
+from echo2.keyfile import load_or_create_identity
 from echo2.protocol import envelope, packing
 from echo2.protocol.dataframe import FrameType
 from echo2.protocol.errors import ChunkMismatch, DecodeError, Echo2Error, ManifestError, SchemaError
@@ -718,7 +719,7 @@ def main(argv: list[str] | None = None) -> int:
     args = _parse(argv)
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(name)s %(levelname)s %(message)s", stream=sys.stderr)
     os.makedirs(args.dir, exist_ok=True)
-    identity = Identity.load_or_create(os.path.join(args.dir, "node.key"))
+    identity = load_or_create_identity(os.path.join(args.dir, "node.key"))
     store = ChunkStore(os.path.join(args.dir, "store"))
     cfg = RelayConfig(upload_MBps=args.upload_MBps, stall_timeout_s=args.stall_s, corrupt_sends=args.corrupt)
 

@@ -21,12 +21,13 @@ import trio
 
 from echo2 import __version__
 from echo2.fsutil import atomic_write
+from echo2.keyfile import load_or_create_identity
 from echo2.looplag import LoopLag
-from echo2.protocol import envelope, packing
+from echo2.models import statedict
+from echo2.protocol import envelope
 from echo2.protocol.backoff import Backoff
 from echo2.protocol.errors import Echo2Error, TransportError
 from echo2.protocol.framing import RemoteError
-from echo2.protocol.identity import Identity
 from echo2.protocol.messages import (
     AdmissionDecision,
     AdmissionRequest,
@@ -107,7 +108,7 @@ class Node:
     def __init__(self, cfg: NodeConfig) -> None:
         self.cfg = cfg
         cfg.data_dir.mkdir(parents=True, exist_ok=True)
-        self.identity = Identity.load_or_create(cfg.data_dir / "node.key")
+        self.identity = load_or_create_identity(cfg.data_dir / "node.key")
         self.hub_peer = hub_peer_id(cfg.hub)
         self.stats = NodeStats()
         self.held: HeldVersion | None = None
@@ -191,7 +192,7 @@ class Node:
 
     # --- main ------------------------------------------------------------------------------------
     async def run(self) -> int:
-        from echo2.node.engine import select_engine
+        from echo2.models.engine import select_engine
 
         if self.cfg.threads:
             import torch
@@ -360,7 +361,7 @@ class Node:
     async def _load(self, held: HeldVersion, receive_s: float) -> None:
         m = held.manifest
         t0 = time.monotonic()
-        sd = await trio.to_thread.run_sync(packing.assemble, m, held.raw_chunks)
+        sd = await trio.to_thread.run_sync(statedict.assemble, m, held.raw_chunks)
         config_changed = self.held is None or self.held.manifest.model_config != m.model_config
         if config_changed:
             await trio.to_thread.run_sync(self._check_fit, m.model_config)

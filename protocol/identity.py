@@ -7,10 +7,7 @@ enough that libp2p uses the identity multihash, which is why such IDs start with
 
 from __future__ import annotations
 
-import os
-import stat
 from dataclasses import dataclass
-from pathlib import Path
 
 import base58
 from cryptography.exceptions import InvalidSignature
@@ -95,43 +92,18 @@ class Identity:
     def __repr__(self) -> str:  # never print key material
         return f"Identity({self.peer_id})"
 
-    # --- files -------------------------------------------------------------------------------
-    def save(self, path: str | os.PathLike[str]) -> None:
-        """Write the key with mode 0600, atomically (never a half-written key file)."""
-        p = Path(path)
-        p.parent.mkdir(parents=True, exist_ok=True)
-        tmp = p.with_name(p.name + ".tmp")
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        try:
-            os.write(fd, _KEY_FILE_MAGIC + self.seed.hex().encode() + b"\n")
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-        os.chmod(tmp, 0o600)
-        os.replace(tmp, p)
+    # --- key-file contents (reading and writing the file is echo2.keyfile) -------------------
+    def key_file_bytes(self) -> bytes:
+        """The contents of this identity's key file (a magic line, then the hex seed)."""
+        return _KEY_FILE_MAGIC + self.seed.hex().encode() + b"\n"
 
     @classmethod
-    def load(cls, path: str | os.PathLike[str]) -> Identity:
-        p = Path(path)
-        try:
-            st = p.stat()
-            data = p.read_bytes()
-        except OSError as exc:
-            raise IdentityError(f"cannot read key file {p}: {exc.strerror}") from exc
-        if st.st_mode & (stat.S_IRWXG | stat.S_IRWXO):
-            raise IdentityError(f"key file {p} is readable by others; run: chmod 600 {p}")
+    def from_key_file_bytes(cls, data: bytes, where: str) -> Identity:
+        """The identity in key-file contents; IdentityError (naming ``where``) if they are not one."""
         if not data.startswith(_KEY_FILE_MAGIC):
-            raise IdentityError(f"{p} is not an echo2 key file")
+            raise IdentityError(f"{where} is not an echo2 key file")
         try:
             seed = bytes.fromhex(data[len(_KEY_FILE_MAGIC) :].decode().strip())
         except ValueError as exc:
-            raise IdentityError(f"{p} is corrupt") from exc
+            raise IdentityError(f"{where} is corrupt") from exc
         return cls.from_seed(seed)
-
-    @classmethod
-    def load_or_create(cls, path: str | os.PathLike[str]) -> Identity:
-        if Path(path).exists():
-            return cls.load(path)
-        ident = cls.generate()
-        ident.save(path)
-        return ident

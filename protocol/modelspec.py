@@ -1,31 +1,18 @@
-"""Model specification shared by the learner hub and the nodes.
+"""Model specification shared by the learner hub and the nodes: the pure part.
 
 A policy version travels as (model_config JSON text, small artifacts such as tokenizer.json, state
-dict).  This module turns those into a tokenizer and a ``transformers`` model, and builds the tiny
-byte-level setup used when no model hub is reachable (brief section 10).
-
-Everything here is deterministic and offline: the byte tokenizer is built in code, models are
-created with ``from_config`` (random init driven by the caller's torch seed) and only local
-directories are ever loaded.
+dict). This module holds what needs no model library: the byte tokenizer's special tokens, the
+tiny config used when no model hub is reachable (brief section 10), canonical config text, and the
+checks on a received config. Turning these into a tokenizer and a ``transformers`` model is
+``echo2.models.spec``.
 """
 
 from __future__ import annotations
 
 import json
-import logging
-import os
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
-
-import torch
-from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+from typing import Any
 
 from .errors import ManifestError
-
-if TYPE_CHECKING:
-    from transformers import PreTrainedModel
-
-log = logging.getLogger(__name__)
 
 PAD_TOKEN = "<pad>"
 BOS_TOKEN = "<bos>"
@@ -36,8 +23,11 @@ BYTE_VOCAB_SIZE = len(SPECIAL_TOKENS) + 256
 # Artifacts a node may receive inside a manifest; mirrors the Manifest limits in API.md.
 MAX_ARTIFACT_BYTES = 8 * 1024 * 1024
 MAX_ARTIFACTS = 16
+# Config keys that describe a saved checkpoint rather than the architecture; they trip some
+# transformers versions, so they are dropped before a config is used.
+CHECKPOINT_ONLY_KEYS = ("transformers_version", "torch_dtype", "dtype", "_name_or_path", "quantization_config")
 # Small text files of an HF model directory worth shipping (weights travel as the state dict).
-_LOCAL_ARTIFACT_FILES = (
+LOCAL_ARTIFACT_FILES = (
     "tokenizer.json",
     "tokenizer_config.json",
     "generation_config.json",
@@ -46,48 +36,6 @@ _LOCAL_ARTIFACT_FILES = (
 # Architectures we know to be plain causal LMs that work with our sampling loop; anything else is
 # refused rather than instantiated from a (signed, but still remote) config.
 SUPPORTED_MODEL_TYPES = frozenset({"qwen2", "qwen3", "llama", "mistral", "gpt2", "phi3", "gemma", "gemma2"})
-
-
-def _bytes_to_unicode() -> dict[int, str]:
-    """GPT-2's reversible byte -> printable unicode map (the one the ByteLevel pre-tokenizer uses)."""
-    printable = (
-        list(range(ord("!"), ord("~") + 1))
-        + list(range(ord("¡"), ord("¬") + 1))
-        + list(range(ord("®"), ord("ÿ") + 1))
-    )
-    chars = list(printable)
-    n = 0
-    for b in range(256):
-        if b not in printable:
-            printable.append(b)
-            chars.append(256 + n)
-            n += 1
-    return {b: chr(c) for b, c in zip(printable, chars, strict=True)}
-
-
-def build_byte_tokenizer() -> Tokenizer:
-    """Byte-level tokenizer: "<pad>"=0, "<bos>"=1, "<eos>"=2, byte b -> id 3 + b, no merges.
-
-    A BPE model without merges over the 256 ByteLevel symbols maps every byte of the UTF-8 text to
-    exactly one id, so any text round-trips.  Special tokens are registered as added tokens so
-    ``token_to_id`` finds them; ``TokenizerHandle.encode`` keeps literal "<eos>" text as bytes.
-    """
-    b2u = _bytes_to_unicode()
-    vocab: dict[str, int] = {tok: i for i, tok in enumerate(SPECIAL_TOKENS)}
-    for b in range(256):
-        vocab[b2u[b]] = len(SPECIAL_TOKENS) + b
-    tok = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token=None, fuse_unk=False))
-    # use_regex=False: no word splitting is needed without merges; add_prefix_space=False keeps
-    # encode/decode an exact inverse.
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
-    tok.decoder = decoders.ByteLevel()
-    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in SPECIAL_TOKENS])
-    return tok
-
-
-def tokenizer_json() -> bytes:
-    """The byte tokenizer serialized as tokenizer.json bytes (a manifest artifact)."""
-    return build_byte_tokenizer().to_str().encode("utf-8")
 
 
 def tiny_config(
@@ -106,7 +54,6 @@ def tiny_config(
         raise ValueError(f"tiny_config: unsupported arch {arch!r} (qwen2 or llama)")
     if hidden % heads:
         raise ValueError("tiny_config: hidden must be divisible by heads")
-    tok = build_byte_tokenizer()
     return {
         "model_type": arch,
         "architectures": ["Qwen2ForCausalLM" if arch == "qwen2" else "LlamaForCausalLM"],
@@ -121,9 +68,9 @@ def tiny_config(
         "rope_theta": 10000.0,
         "hidden_act": "silu",
         "tie_word_embeddings": True,
-        "pad_token_id": tok.token_to_id(PAD_TOKEN),
-        "bos_token_id": tok.token_to_id(BOS_TOKEN),
-        "eos_token_id": tok.token_to_id(EOS_TOKEN),
+        "pad_token_id": SPECIAL_TOKENS.index(PAD_TOKEN),
+        "bos_token_id": SPECIAL_TOKENS.index(BOS_TOKEN),
+        "eos_token_id": SPECIAL_TOKENS.index(EOS_TOKEN),
         "use_cache": True,
     }
 
@@ -150,173 +97,3 @@ def parse_model_config(model_config_json: str) -> dict[str, Any]:
     if mt not in SUPPORTED_MODEL_TYPES:
         raise ManifestError(f"model_config: unsupported model_type {mt!r}")
     return d
-
-
-def hf_config_from_json(model_config_json: str) -> Any:
-    """A transformers PretrainedConfig from config JSON text (no network, no remote code)."""
-    from transformers import AutoConfig
-
-    d = dict(parse_model_config(model_config_json))
-    model_type = d.pop("model_type")
-    # Keys that describe a saved checkpoint rather than the architecture; they trip some versions.
-    for k in ("transformers_version", "torch_dtype", "dtype", "_name_or_path", "quantization_config"):
-        d.pop(k, None)
-    try:
-        return AutoConfig.for_model(model_type, **d)
-    except (ValueError, TypeError, KeyError) as e:
-        raise ManifestError(f"model_config rejected by transformers: {e}") from e
-
-
-def model_from_config(model_config_json: str, dtype: torch.dtype = torch.float32) -> PreTrainedModel:
-    """A randomly initialised model (init drawn from the caller's torch RNG), in eval mode."""
-    from transformers import AutoModelForCausalLM
-
-    cfg = hf_config_from_json(model_config_json)
-    model = AutoModelForCausalLM.from_config(cfg, dtype=dtype)
-    model.eval()
-    return model
-
-
-@dataclass
-class TokenizerHandle:
-    """Thin wrapper over a ``tokenizers.Tokenizer`` with the special ids looked up by token."""
-
-    tokenizer: Tokenizer
-    pad_id: int
-    bos_id: int | None
-    eos_id: int
-    # All ids that end a completion (eos plus any extra from generation_config.json).
-    stop_ids: frozenset[int] = field(default_factory=frozenset)
-
-    def encode(self, text: str, add_bos: bool = False) -> list[int]:
-        # Literal "<eos>" in user text must stay bytes, never become the control token.
-        prev = self.tokenizer.encode_special_tokens
-        self.tokenizer.encode_special_tokens = True
-        try:
-            ids = list(self.tokenizer.encode(text, add_special_tokens=False).ids)
-        finally:
-            self.tokenizer.encode_special_tokens = prev
-        if add_bos and self.bos_id is not None:
-            ids.insert(0, self.bos_id)
-        return ids
-
-    def decode(self, ids: list[int], skip_special: bool = True) -> str:
-        return str(self.tokenizer.decode(list(ids), skip_special_tokens=skip_special))
-
-    @property
-    def vocab_size(self) -> int:
-        return int(self.tokenizer.get_vocab_size(with_added_tokens=True))
-
-
-def _token_name(v: Any) -> str | None:
-    # tokenizer_config.json stores special tokens either as str or as {"content": str, ...}.
-    if isinstance(v, str):
-        return v
-    if isinstance(v, dict) and isinstance(v.get("content"), str):
-        return str(v["content"])
-    return None
-
-
-def _json_artifact(artifacts: dict[str, bytes], name: str) -> dict[str, Any]:
-    raw = artifacts.get(name)
-    if raw is None:
-        return {}
-    try:
-        d = json.loads(raw.decode("utf-8"))
-    except (ValueError, UnicodeDecodeError) as e:
-        raise ManifestError(f"artifact {name} is not valid JSON: {e}") from e
-    return d if isinstance(d, dict) else {}
-
-
-def load_tokenizer(artifacts: dict[str, bytes]) -> TokenizerHandle:
-    """Tokenizer from manifest artifacts (needs "tokenizer.json"); ManifestError if unusable.
-
-    Special tokens: names from tokenizer_config.json when present (real HF models), else the
-    byte tokenizer's "<pad>", "<bos>", "<eos>"; ids are always looked up by token.
-    """
-    raw = artifacts.get("tokenizer.json")
-    if raw is None:
-        raise ManifestError("artifacts lack tokenizer.json")
-    try:
-        tok = Tokenizer.from_str(raw.decode("utf-8"))
-    except Exception as e:  # tokenizers raises plain Exception subclasses for bad JSON
-        raise ManifestError(f"tokenizer.json does not load: {e}") from e
-    tcfg = _json_artifact(artifacts, "tokenizer_config.json")
-
-    def lookup(key: str, default: str) -> int | None:
-        name = _token_name(tcfg.get(key)) or default
-        return tok.token_to_id(name)
-
-    eos_id = lookup("eos_token", EOS_TOKEN)
-    if eos_id is None:
-        raise ManifestError("tokenizer has no eos token")
-    bos_id = lookup("bos_token", BOS_TOKEN)
-    pad_id = lookup("pad_token", PAD_TOKEN)
-    if pad_id is None:
-        # Left padding is masked out, so any id works; eos is the usual stand-in.
-        pad_id = eos_id
-    stop = {eos_id}
-    gen = _json_artifact(artifacts, "generation_config.json")
-    g_eos = gen.get("eos_token_id")
-    for x in g_eos if isinstance(g_eos, list) else [g_eos]:
-        if isinstance(x, int) and not isinstance(x, bool) and 0 <= x < tok.get_vocab_size(True):
-            stop.add(x)
-    return TokenizerHandle(
-        tokenizer=tok, pad_id=pad_id, bos_id=bos_id, eos_id=eos_id, stop_ids=frozenset(stop)
-    )
-
-
-def load_local_model(
-    path: str | os.PathLike[str], dtype: torch.dtype = torch.float32
-) -> tuple[PreTrainedModel, str, dict[str, bytes]]:
-    """Load a local HF model directory: (model in eval mode, config JSON text, small artifacts).
-
-    The directory needs config.json, tokenizer.json and weights (safetensors); nothing is fetched.
-    """
-    from transformers import AutoModelForCausalLM
-
-    p = os.fspath(path)
-    with open(os.path.join(p, "config.json"), encoding="utf-8") as f:
-        cfg = json.load(f)
-    artifacts: dict[str, bytes] = {}
-    for name in _LOCAL_ARTIFACT_FILES:
-        fp = os.path.join(p, name)
-        if not os.path.isfile(fp):
-            continue
-        size = os.path.getsize(fp)
-        if size > MAX_ARTIFACT_BYTES:
-            raise ManifestError(f"{name} is {size} bytes, over the {MAX_ARTIFACT_BYTES}-byte artifact limit")
-        with open(fp, "rb") as f:
-            artifacts[name] = f.read()
-    if "tokenizer.json" not in artifacts:
-        raise ManifestError(f"{p} has no tokenizer.json")
-    for k in ("transformers_version", "torch_dtype", "dtype", "_name_or_path", "quantization_config"):
-        cfg.pop(k, None)
-    model_config = config_json(cfg)
-    parse_model_config(model_config)
-    model = AutoModelForCausalLM.from_pretrained(p, dtype=dtype, local_files_only=True)
-    model.eval()
-    return model, model_config, artifacts
-
-
-@torch.inference_mode()
-def teacher_forced_logprobs(
-    model: torch.nn.Module, prompt_ids: list[int], completion_ids: list[int], temperature: float
-) -> list[float]:
-    """Reference log-probs of ``completion_ids`` after ``prompt_ids`` (one unpadded forward).
-
-    logprob_i = log_softmax(logits_i / T)[token_i] in float32, top-p not applied; T == 0 (greedy)
-    is scored at T = 1, matching what the engines report.
-    """
-    if not prompt_ids:
-        raise ValueError("teacher_forced_logprobs: empty prompt")
-    if not completion_ids:
-        return []
-    t = float(temperature) if temperature > 0 else 1.0
-    device = next(model.parameters()).device
-    ids = torch.tensor([list(prompt_ids) + list(completion_ids)], dtype=torch.long, device=device)
-    logits = model(input_ids=ids, use_cache=False).logits[0].float()
-    n = len(prompt_ids)
-    lp = torch.log_softmax(logits[n - 1 : -1] / t, dim=-1)
-    target = ids[0, n:]
-    return [float(x) for x in lp.gather(1, target[:, None])[:, 0].tolist()]

@@ -6,7 +6,8 @@ bfloat16 value on an even offset (so the byte-plane split below separates low fr
 lets ``assemble`` hand out tensors that view one buffer without another copy, and makes the layout
 a pure function of (names, dtypes, shapes) that ``verify_manifest_consistency`` can recompute. Raw
 bytes are taken through ``view(torch.uint8)``, never through a float conversion, so every dtype
-(bfloat16 NaN payloads included) round-trips bit for bit.
+(bfloat16 NaN payloads included) round-trips bit for bit. This module works on the flat bytes
+only; the state dict <-> bytes conversion (torch) is ``echo2.models.statedict``.
 
 Chunks. The buffer is cut into ``chunk_size`` pieces (the last one shorter); a chunk is named by
 the blake3 hash of its raw bytes. Encodings: ``full`` = zstd(T(raw)), ``delta`` =
@@ -50,17 +51,16 @@ a parent chunk).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import logging
 import math
-import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
-import torch
 import zstandard
 
 from .errors import ChunkMismatch, ManifestError
@@ -95,20 +95,20 @@ BF16_SPLIT = True
 MAX_SHAPE_DIMS = 8
 MAX_NAME_LEN = 256
 
-DTYPES: dict[str, torch.dtype] = {
-    "float32": torch.float32,
-    "float16": torch.float16,
-    "bfloat16": torch.bfloat16,
-    "float64": torch.float64,
-    "int64": torch.int64,
-    "int32": torch.int32,
-    "int16": torch.int16,
-    "int8": torch.int8,
-    "uint8": torch.uint8,
-    "bool": torch.bool,
+# Bytes per element of each dtype name a manifest may list (torch's element_size of the same
+# dtypes; echo2.models.statedict checks the two agree).
+ITEMSIZE: dict[str, int] = {
+    "float32": 4,
+    "float16": 2,
+    "bfloat16": 2,
+    "float64": 8,
+    "int64": 8,
+    "int32": 4,
+    "int16": 2,
+    "int8": 1,
+    "uint8": 1,
+    "bool": 1,
 }
-_DTYPE_NAMES: dict[torch.dtype, str] = {v: k for k, v in DTYPES.items()}
-ITEMSIZE: dict[str, int] = {k: torch.empty(0, dtype=v).element_size() for k, v in DTYPES.items()}
 
 
 @dataclass
@@ -130,46 +130,8 @@ class PackedVersion:
 # ---------------------------------------------------------------------------------------------
 
 
-def _align(n: int) -> int:
+def align(n: int) -> int:
     return (n + ALIGN - 1) // ALIGN * ALIGN
-
-
-def _flatten_into_buffer(state_dict: Mapping[str, torch.Tensor]) -> tuple[list[TensorEntry], bytearray]:
-    entries: list[TensorEntry] = []
-    sources: list[tuple[int, torch.Tensor]] = []
-    off = 0
-    for name in sorted(state_dict):
-        t = state_dict[name]
-        if not isinstance(name, str) or not name or len(name) > MAX_NAME_LEN:
-            raise ValueError(f"tensor name must be a str of 1..{MAX_NAME_LEN} chars: {name!r:.80}")
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
-        dname = _DTYPE_NAMES.get(t.dtype)
-        if dname is None:
-            raise TypeError(f"{name}: unsupported dtype {t.dtype}")
-        if t.dim() > MAX_SHAPE_DIMS:
-            raise ValueError(f"{name}: {t.dim()} dims, at most {MAX_SHAPE_DIMS}")
-        t = t.detach()
-        if t.device.type != "cpu":
-            t = t.cpu()
-        off = _align(off)
-        nbytes = t.numel() * t.element_size()
-        entries.append(TensorEntry(name=name, dtype=dname, shape=list(t.shape), offset=off, nbytes=nbytes))
-        sources.append((off, t))
-        off += nbytes
-    buf = bytearray(off)  # zero-filled: the alignment gaps are zero bytes
-    dst = np.frombuffer(buf, dtype=np.uint8)
-    for start, t in sources:
-        if t.numel():
-            src = t.contiguous().reshape(-1).view(torch.uint8).numpy()
-            dst[start : start + src.size] = src
-    return entries, buf
-
-
-def flatten(state_dict: Mapping[str, torch.Tensor]) -> tuple[list[TensorEntry], bytes]:
-    """Tensor index (sorted names, 64-byte aligned offsets) and the flat raw bytes."""
-    entries, buf = _flatten_into_buffer(state_dict)
-    return entries, bytes(buf)
 
 
 def _check_entries(entries: Sequence[TensorEntry], total: int) -> None:
@@ -189,7 +151,7 @@ def _check_entries(entries: Sequence[TensorEntry], total: int) -> None:
             raise ManifestError(f"{e.name!r:.80}: bad shape")
         if e.nbytes != math.prod(e.shape) * size:
             raise ManifestError(f"{e.name!r:.80}: nbytes {e.nbytes} does not match shape and dtype")
-        off = _align(off)
+        off = align(off)
         if e.offset != off:
             # any other offset would overlap a neighbour or leave a non-canonical gap
             raise ManifestError(f"{e.name!r:.80}: offset {e.offset}, expected {off}")
@@ -200,56 +162,64 @@ def _check_entries(entries: Sequence[TensorEntry], total: int) -> None:
         raise ManifestError(f"tensors end at {off}, total_bytes is {total}")
 
 
-def _tensors_from_buffer(entries: Sequence[TensorEntry], buf: bytearray) -> dict[str, torch.Tensor]:
-    out: dict[str, torch.Tensor] = {}
-    for e in entries:
-        dtype = DTYPES[e.dtype]
-        if e.nbytes == 0:
-            out[e.name] = torch.empty(e.shape, dtype=dtype)
-            continue
-        if e.offset % ALIGN == 0:
-            flat = torch.frombuffer(buf, dtype=torch.uint8, count=e.nbytes, offset=e.offset)
-        else:  # never for the canonical layout; a copy gives the typed view an aligned start
-            flat = torch.frombuffer(bytearray(buf[e.offset : e.offset + e.nbytes]), dtype=torch.uint8)
-        out[e.name] = flat.view(dtype).reshape(e.shape)
-    return out
-
-
-def unflatten(entries: Sequence[TensorEntry], raw: bytes | bytearray | memoryview) -> dict[str, torch.Tensor]:
-    """Tensors back from the flat bytes, bit-identical. They share one private copy of ``raw``."""
+def check_unflatten(entries: Sequence[TensorEntry], total: int) -> None:
+    """ManifestError unless every tensor's bytes lie inside ``total`` bytes and match its dtype
+    and shape (what turning the flat bytes back into tensors relies on)."""
     for e in entries:
         size = ITEMSIZE.get(e.dtype)
         if size is None:
             raise ManifestError(f"{e.name!r:.80}: unknown dtype {e.dtype!r:.20}")
         if any(d < 0 for d in e.shape) or e.nbytes != math.prod(e.shape) * size:
             raise ManifestError(f"{e.name!r:.80}: nbytes {e.nbytes} does not match shape and dtype")
-        if e.offset < 0 or e.offset + e.nbytes > len(raw):
-            raise ManifestError(f"{e.name!r:.80}: bytes {e.offset}..{e.offset + e.nbytes} outside {len(raw)}")
-    return _tensors_from_buffer(entries, bytearray(raw))
+        if e.offset < 0 or e.offset + e.nbytes > total:
+            raise ManifestError(f"{e.name!r:.80}: bytes {e.offset}..{e.offset + e.nbytes} outside {total}")
 
 
 # ---------------------------------------------------------------------------------------------
 # chunk encodings
 # ---------------------------------------------------------------------------------------------
 
-_tls = threading.local()  # zstd contexts are not thread-safe; trio.to_thread may run us anywhere
+class _Codec:
+    """zstd contexts and work arrays for one call at a time (zstd contexts are not thread-safe)."""
+
+    def __init__(self) -> None:
+        self.compressors: dict[int, zstandard.ZstdCompressor] = {}
+        self.decompressor = zstandard.ZstdDecompressor()
+        self.scratch: dict[str, np.ndarray] = {}
+
+    def compressor(self, level: int) -> zstandard.ZstdCompressor:
+        c = self.compressors.get(level)
+        if c is None:
+            c = self.compressors[level] = zstandard.ZstdCompressor(
+                level=level, write_content_size=True, write_checksum=False
+            )
+        return c
+
+    def work(self, slot: str, n: int) -> np.ndarray:
+        # Reused work arrays: a fresh multi-MiB array per chunk costs page faults (and glibc
+        # returns the pages each time), which halved the encode speed here.
+        a = self.scratch.get(slot)
+        if a is None or a.size < n:
+            a = self.scratch[slot] = np.empty(max(n, 1 << 16), dtype=np.uint8)
+        return a[:n]
 
 
-def _compressor(level: int) -> zstandard.ZstdCompressor:
-    cache: dict[int, zstandard.ZstdCompressor] | None = getattr(_tls, "compressors", None)
-    if cache is None:
-        cache = _tls.compressors = {}
-    c = cache.get(level)
-    if c is None:
-        c = cache[level] = zstandard.ZstdCompressor(level=level, write_content_size=True, write_checksum=False)
-    return c
+# Idle codecs. Callers run in worker threads (trio.to_thread), so each call takes a codec of its
+# own and puts it back: list.pop/append are atomic, which keeps this module free of threading
+# while the pool grows only to the number of concurrent calls.
+_idle_codecs: list[_Codec] = []
 
 
-def _decompressor() -> zstandard.ZstdDecompressor:
-    d: zstandard.ZstdDecompressor | None = getattr(_tls, "decompressor", None)
-    if d is None:
-        d = _tls.decompressor = zstandard.ZstdDecompressor()
-    return d
+@contextlib.contextmanager
+def _codec() -> Iterator[_Codec]:
+    try:
+        c = _idle_codecs.pop()
+    except IndexError:
+        c = _Codec()
+    try:
+        yield c
+    finally:
+        _idle_codecs.append(c)
 
 
 def max_encoded_size(raw_size: int) -> int:
@@ -259,18 +229,6 @@ def max_encoded_size(raw_size: int) -> int:
 
 def _u8(b: bytes | bytearray | memoryview | np.ndarray) -> np.ndarray:
     return b if isinstance(b, np.ndarray) else np.frombuffer(b, dtype=np.uint8)
-
-
-def _scratch(slot: str, n: int) -> np.ndarray:
-    # Reused per-thread work arrays: a fresh multi-MiB array per chunk costs page faults (and glibc
-    # returns the pages each time), which halved the encode speed here.
-    bufs: dict[str, np.ndarray] | None = getattr(_tls, "scratch", None)
-    if bufs is None:
-        bufs = _tls.scratch = {}
-    a = bufs.get(slot)
-    if a is None or a.size < n:
-        a = bufs[slot] = np.empty(max(n, 1 << 16), dtype=np.uint8)
-    return a[:n]
 
 
 def split_planes(x: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
@@ -312,7 +270,8 @@ def _xor(a: np.ndarray, b: np.ndarray, out: np.ndarray | None = None) -> np.ndar
 @functools.lru_cache(maxsize=16)
 def _zero_frame(size: int, level: int) -> bytes:
     # identical to compressing the all-zero XOR; both planes of zeros are zeros
-    return _compressor(level).compress(bytes(size))
+    with _codec() as c:
+        return c.compressor(level).compress(bytes(size))
 
 
 def encode_chunk(
@@ -324,14 +283,15 @@ def encode_chunk(
 ) -> bytes:
     """``full`` encoding without ``parent_raw``, else ``delta`` against it (same length)."""
     x = _u8(raw)
-    if parent_raw is not None:
-        p = _u8(parent_raw)
-        if p.size != x.size:
-            raise ValueError(f"parent chunk has {p.size} bytes, chunk has {x.size}")
-        x = _xor(x, p, out=_scratch("xor", x.size))
-    if bf16_split:
-        x = split_planes(x, out=_scratch("planes", x.size))
-    return _compressor(level).compress(x.data)
+    with _codec() as c:
+        if parent_raw is not None:
+            p = _u8(parent_raw)
+            if p.size != x.size:
+                raise ValueError(f"parent chunk has {p.size} bytes, chunk has {x.size}")
+            x = _xor(x, p, out=c.work("xor", x.size))
+        if bf16_split:
+            x = split_planes(x, out=c.work("planes", x.size))
+        return c.compressor(level).compress(x.data)
 
 
 def decode_full_fallback(
@@ -391,18 +351,19 @@ def decode_chunk(
     if declared != entry.raw_size:
         # refuse before allocating: zstd trusts the declared size and ignores max_output_size
         raise ChunkMismatch(f"chunk {entry.index}: frame declares {declared} bytes, manifest says {entry.raw_size}")
-    try:
-        data = _decompressor().decompress(encoded, max_output_size=entry.raw_size, allow_extra_data=False)
-    except zstandard.ZstdError as exc:
-        raise ChunkMismatch(f"chunk {entry.index}: zstd: {exc}") from None
-    if len(data) != entry.raw_size:
-        raise ChunkMismatch(f"chunk {entry.index}: decoded {len(data)} bytes, manifest says {entry.raw_size}")
-    y = _u8(data)
-    if bf16_split:
-        y = join_planes(y, out=_scratch("planes", y.size))
-    if p is not None:
-        y = _xor(y, p, out=y if bf16_split else _scratch("xor", y.size))
-    raw = y.tobytes() if (bf16_split or p is not None) else data
+    with _codec() as codec:
+        try:
+            data = codec.decompressor.decompress(encoded, max_output_size=entry.raw_size, allow_extra_data=False)
+        except zstandard.ZstdError as exc:
+            raise ChunkMismatch(f"chunk {entry.index}: zstd: {exc}") from None
+        if len(data) != entry.raw_size:
+            raise ChunkMismatch(f"chunk {entry.index}: decoded {len(data)} bytes, manifest says {entry.raw_size}")
+        y = _u8(data)
+        if bf16_split:
+            y = join_planes(y, out=codec.work("planes", y.size))
+        if p is not None:
+            y = _xor(y, p, out=y if bf16_split else codec.work("xor", y.size))
+        raw = y.tobytes() if (bf16_split or p is not None) else data
     if digest(raw) != entry.raw_hash:
         raise ChunkMismatch(f"chunk {entry.index}: raw hash does not match the manifest")
     return raw
@@ -417,8 +378,9 @@ def chunk_count(total_bytes: int, chunk_size: int) -> int:
     return -(-total_bytes // chunk_size)
 
 
-def pack_version(
-    state_dict: Mapping[str, torch.Tensor],
+def pack_buffer(
+    entries: list[TensorEntry],
+    buf: bytes | bytearray,
     *,
     version: int,
     parent: PackedVersion | None,
@@ -430,14 +392,14 @@ def pack_version(
     created: float | None = None,
     bf16_split: bool = BF16_SPLIT,
 ) -> PackedVersion:
-    """Flatten, cut and encode one version. Chunks are deltas against ``parent`` where the parent
-    has the same chunk (same index and size, same chunk size and split), except on snapshot
-    versions (``version % full_every == 0``) where every chunk is full."""
+    """Cut and encode one version's flat bytes (``buf``, laid out as ``entries`` say). Chunks are
+    deltas against ``parent`` where the parent has the same chunk (same index and size, same chunk
+    size and split), except on snapshot versions (``version % full_every == 0``) where every chunk
+    is full. ``echo2.models.statedict.pack_version`` is the state-dict front door."""
     if not 0 < chunk_size <= MAX_CHUNK_SIZE:
         raise ValueError(f"chunk_size {chunk_size} outside 1..{MAX_CHUNK_SIZE}")
     if full_every < 1:
         raise ValueError("full_every must be >= 1")
-    entries, buf = _flatten_into_buffer(state_dict)
     total = len(buf)
     if total > MAX_TOTAL_BYTES:
         raise ValueError(f"{total} bytes, at most {MAX_TOTAL_BYTES}")
@@ -533,8 +495,8 @@ def verify_manifest_consistency(manifest: Manifest) -> None:
     _check_entries(m.tensors, m.total_bytes)
 
 
-def assemble(manifest: Manifest, raw_chunks: Sequence[bytes], *, verify: bool = True) -> dict[str, torch.Tensor]:
-    """The state dict of a complete version from its raw chunks (checked against their raw hashes
+def assemble_buffer(manifest: Manifest, raw_chunks: Sequence[bytes], *, verify: bool = True) -> bytearray:
+    """The flat bytes of a complete version from its raw chunks (checked against their raw hashes
     unless ``verify=False``, for chunks that :func:`decode_chunk` returned a moment ago)."""
     verify_manifest_consistency(manifest)
     if len(raw_chunks) != len(manifest.chunks):
@@ -548,4 +510,4 @@ def assemble(manifest: Manifest, raw_chunks: Sequence[bytes], *, verify: bool = 
             raise ChunkMismatch(f"chunk {c.index}: raw hash does not match the manifest")
         mv[c.offset : c.offset + c.raw_size] = raw
     del mv
-    return _tensors_from_buffer(manifest.tensors, buf)
+    return buf

@@ -42,13 +42,13 @@ from typing import Any
 import trio
 
 from echo2.bench.swarm import LocalSwarm, _child_env
+from echo2.keyfile import load_identity
 from echo2.learner_hub.config import HubConfig
 from echo2.node.relay_runtime import RelayNode
 from echo2.node.runtime import Node, NodeConfig
 from echo2.protocol import envelope
 from echo2.protocol.errors import Echo2Error
 from echo2.protocol.framing import RemoteError
-from echo2.protocol.identity import Identity
 from echo2.protocol.messages import Completion, Result, Task, task_hash
 from echo2.protocol.net.control import ControlHost
 from echo2.protocol.wire import MAX_CONTROL_REQUEST, RESULT
@@ -283,7 +283,7 @@ def small_cfg(steps: int, **kw: Any) -> HubConfig:
 
 
 def peer_of(node_dir: Path) -> str:
-    return Identity.load(node_dir / "node.key").peer_id
+    return load_identity(node_dir / "node.key").peer_id
 
 
 def wait_until(

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 
+from echo2.models import statedict
 from echo2.node.chunkstore import TMP_PREFIX, ChunkStore
 from echo2.protocol import packing
 from echo2.protocol.errors import ChunkMismatch, ManifestError
@@ -121,10 +122,10 @@ def test_real_packed_version_roundtrip(tmp_path: Path) -> None:
     import torch
 
     sd = {"a": torch.arange(5000, dtype=torch.float32), "b": torch.ones(300, dtype=torch.bfloat16)}
-    pv = packing.pack_version(sd, version=0, parent=None, chunk_size=4096, model_config="{}", artifacts={})
+    pv = statedict.pack_version(sd, version=0, parent=None, chunk_size=4096, model_config="{}", artifacts={})
     s = ChunkStore(tmp_path)
     s.save_version(pv.manifest, b"env")
     for c, enc in zip(pv.manifest.chunks, pv.encoded, strict=True):
         s.put(c.raw_hash, packing.decode_chunk(c, enc, None, bf16_split=pv.manifest.bf16_split))
-    out = packing.assemble(pv.manifest, s.load_raw_chunks(pv.manifest))
+    out = statedict.assemble(pv.manifest, s.load_raw_chunks(pv.manifest))
     assert torch.equal(out["a"], sd["a"]) and torch.equal(out["b"], sd["b"])

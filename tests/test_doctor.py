@@ -12,6 +12,7 @@ from pathlib import Path
 
 import trio
 
+from echo2.keyfile import load_identity, save_identity
 from echo2.learner_hub import probe_service as hubprobe
 from echo2.node import doctor
 from echo2.protocol import modelspec
@@ -31,7 +32,7 @@ def run(main: Callable[[], Awaitable[None]], limit_s: float = 40.0) -> None:
 def node_dir(tmp_path: Path) -> Path:
     d = tmp_path / "node"
     d.mkdir()
-    Identity.generate().save(d / "node.key")
+    save_identity(Identity.generate(), d / "node.key")
     (d / "model_config.json").write_text(modelspec.config_json(modelspec.tiny_config()))
     return d
 
@@ -64,7 +65,7 @@ def test_all_checks_pass_against_a_real_hub(tmp_path: Path) -> None:
         assert doctor.exit_code(checks) == 0 and "all checks passed" in table
         assert svc.probes == 1
         # the node's identity (not a throw-away one) was used
-        assert Identity.load(data_dir / "node.key").peer_id in got["identity"].detail
+        assert load_identity(data_dir / "node.key").peer_id in got["identity"].detail
         parsed = json.loads(doctor.checks_json(checks))
         assert parsed["ok"] is True and len(parsed["checks"]) == len(checks)
 
@@ -119,7 +120,7 @@ def test_local_checks(tmp_path: Path) -> None:
     check, ident = doctor.check_identity(d)
     assert check.status == doctor.INFO and ident is None
     key = d / "node.key"
-    Identity.generate().save(key)
+    save_identity(Identity.generate(), key)
     os.chmod(key, 0o644)
     check, ident = doctor.check_identity(d)
     assert check.failed and check.fix == f"chmod 600 {key}"

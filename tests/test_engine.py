@@ -6,8 +6,8 @@ import math
 import pytest
 import torch
 
-from echo2.node.engine import Engine, EngineError, TransformersEngine, select_engine
-from echo2.protocol import modelspec as ms
+from echo2.models import spec as ms
+from echo2.models.engine import Engine, EngineError, TransformersEngine, select_engine
 from echo2.protocol.errors import ManifestError
 from echo2.protocol.messages import Completion
 
@@ -196,7 +196,7 @@ _HAS_VLLM = importlib.util.find_spec("vllm") is not None and torch.cuda.is_avail
 @pytest.mark.gpu
 @pytest.mark.skipif(not _HAS_VLLM, reason="needs a CUDA GPU and vllm")
 def test_vllm_engine_matches_teacher_forced_and_updates_in_place() -> None:
-    from echo2.node.engine_vllm import VLLMEngine
+    from echo2.models.engine_vllm import VLLMEngine
 
     cj, arts, sd = _tiny(0)
     eng = VLLMEngine(dtype=torch.float32, gpu_memory_utilization=0.3, enforce_eager=True)

@@ -11,7 +11,7 @@ import trio
 
 from echo2.learner_hub.config import HubConfig
 from echo2.learner_hub.hub import Hub
-from echo2.node.engine import TransformersEngine
+from echo2.models.engine import TransformersEngine
 from echo2.protocol import envelope
 from echo2.protocol.errors import BadSignature, MeaningError, SignerNotAllowed
 from echo2.protocol.identity import Identity

@@ -11,8 +11,8 @@ import torch
 
 from echo2.learner_hub.envs import TaskEnv, make_env
 from echo2.learner_hub.learner import Group, Learner, Sample
-from echo2.node.engine import TransformersEngine
-from echo2.protocol import modelspec
+from echo2.models import spec as modelspec
+from echo2.models.engine import TransformersEngine
 
 
 def _setup(seed: int = 0, hidden: int = 64, layers: int = 2) -> tuple[Any, str, dict[str, bytes], Any]:

@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from tokenizers import Tokenizer, pre_tokenizers
 
-from echo2.protocol import modelspec as ms
+from echo2.models import spec as ms
 from echo2.protocol.errors import ManifestError
 
 

@@ -12,17 +12,18 @@ import zstandard
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from echo2.models import statedict
 from echo2.protocol import canonical, packing
 from echo2.protocol.errors import ChunkMismatch, ManifestError
 from echo2.protocol.hashing import digest
 from echo2.protocol.messages import Manifest
 
-DTYPE_NAMES = sorted(packing.DTYPES)
+DTYPE_NAMES = sorted(statedict.DTYPES)
 KW: dict = {"model_config": '{"arch": "test"}', "artifacts": {"tokenizer.json": b"{}"}}
 
 
 def _tensor_from_bytes(dtype_name: str, shape: list[int], data: bytes) -> torch.Tensor:
-    dtype = packing.DTYPES[dtype_name]
+    dtype = statedict.DTYPES[dtype_name]
     if not data:
         return torch.empty(shape, dtype=dtype)
     return torch.frombuffer(bytearray(data), dtype=torch.uint8).view(dtype).reshape(shape)
@@ -95,54 +96,54 @@ def bf16(sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(sd=state_dicts(), chunk_size=st.integers(1, 300), split=st.booleans())
 def test_full_round_trip_bit_identical(sd: dict[str, torch.Tensor], chunk_size: int, split: bool) -> None:
-    entries, raw = packing.flatten(sd)
+    entries, raw = statedict.flatten(sd)
     assert [e.name for e in entries] == sorted(sd)
-    assert_identical(packing.unflatten(entries, raw), sd)
-    pv = packing.pack_version(sd, version=3, parent=None, chunk_size=chunk_size, bf16_split=split, **KW)
+    assert_identical(statedict.unflatten(entries, raw), sd)
+    pv = statedict.pack_version(sd, version=3, parent=None, chunk_size=chunk_size, bf16_split=split, **KW)
     m = pv.manifest
     packing.verify_manifest_consistency(m)
     assert m.parent is None and all(c.encoding == "full" for c in m.chunks)
     assert b"".join(pv.raw_chunks) == raw
     assert Manifest.from_wire(canonical.decode(canonical.encode(m.to_wire()), max_size=1 << 24)) == m
-    assert_identical(packing.assemble(m, decode_all(pv, None)), sd)
+    assert_identical(statedict.assemble(m, decode_all(pv, None)), sd)
 
 
 @settings(max_examples=40, deadline=None)
 @given(sd=state_dicts(max_numel=200), chunk_size=st.integers(1, 500), split=st.booleans(), data=st.data())
 def test_delta_round_trip(sd: dict[str, torch.Tensor], chunk_size: int, split: bool, data: st.DataObject) -> None:
-    v1 = packing.pack_version(sd, version=1, parent=None, chunk_size=chunk_size, bf16_split=split, **KW)
-    entries, raw = packing.flatten(sd)
+    v1 = statedict.pack_version(sd, version=1, parent=None, chunk_size=chunk_size, bf16_split=split, **KW)
+    entries, raw = statedict.flatten(sd)
     buf = bytearray(raw)
     for e in entries:  # flip a few bytes of non-bool tensors
         if e.nbytes and e.dtype != "bool" and data.draw(st.booleans()):
             pos = e.offset + data.draw(st.integers(0, e.nbytes - 1))
             buf[pos] ^= data.draw(st.integers(1, 255))
-    sd2 = packing.unflatten(entries, buf)
-    v2 = packing.pack_version(sd2, version=2, parent=v1, chunk_size=chunk_size, bf16_split=split, **KW)
+    sd2 = statedict.unflatten(entries, buf)
+    v2 = statedict.pack_version(sd2, version=2, parent=v1, chunk_size=chunk_size, bf16_split=split, **KW)
     packing.verify_manifest_consistency(v2.manifest)
     assert all(c.encoding == "delta" for c in v2.manifest.chunks)
     assert v2.manifest.parent == (1 if v2.manifest.chunks else None)
-    assert_identical(packing.assemble(v2.manifest, decode_all(v2, v1)), sd2)
+    assert_identical(statedict.assemble(v2.manifest, decode_all(v2, v1)), sd2)
 
 
 def test_realistic_delta_is_small_and_unchanged_chunks_are_tiny() -> None:
     sd1 = model_like()
-    v1 = packing.pack_version(bf16(sd1), version=1, parent=None, chunk_size=4096, **KW)
+    v1 = statedict.pack_version(bf16(sd1), version=1, parent=None, chunk_size=4096, **KW)
     sd2 = bf16(step(sd1, 1e-6, seed=1))
-    v2 = packing.pack_version(sd2, version=2, parent=v1, chunk_size=4096, **KW)
+    v2 = statedict.pack_version(sd2, version=2, parent=v1, chunk_size=4096, **KW)
     m = v2.manifest
     assert v2.encoded_bytes < 0.2 * m.total_bytes
     unchanged = [c for c in m.chunks if c.raw_hash == c.parent_raw_hash]
     assert unchanged, "the frozen tensor never changes"
     for c in unchanged:
         assert c.encoding == "delta" and c.enc_size < 100
-    assert_identical(packing.assemble(m, decode_all(v2, v1)), sd2)
+    assert_identical(statedict.assemble(m, decode_all(v2, v1)), sd2)
 
 
 def test_flipped_encoded_byte_detected() -> None:
     sd1 = bf16(model_like(5000))
-    v1 = packing.pack_version(sd1, version=1, parent=None, chunk_size=2048, **KW)
-    v2 = packing.pack_version(bf16(step(model_like(5000), 1e-3, 2)), version=2, parent=v1, chunk_size=2048, **KW)
+    v1 = statedict.pack_version(sd1, version=1, parent=None, chunk_size=2048, **KW)
+    v2 = statedict.pack_version(bf16(step(model_like(5000), 1e-3, 2)), version=2, parent=v1, chunk_size=2048, **KW)
     rng = random.Random(0)
     for pv, parent in ((v1, None), (v2, v1)):
         for c, enc in zip(pv.manifest.chunks, pv.encoded, strict=True):
@@ -163,7 +164,7 @@ def test_flipped_encoded_byte_detected() -> None:
 
 def test_flipped_raw_byte_detected() -> None:
     sd = bf16(model_like(5000))
-    pv = packing.pack_version(sd, version=1, parent=None, chunk_size=3000, **KW)
+    pv = statedict.pack_version(sd, version=1, parent=None, chunk_size=3000, **KW)
     m = pv.manifest
     rng = random.Random(1)
     for i in range(len(pv.raw_chunks)):
@@ -172,7 +173,7 @@ def test_flipped_raw_byte_detected() -> None:
         bad[rng.randrange(len(bad))] ^= 0x80
         raws[i] = bytes(bad)
         with pytest.raises(ChunkMismatch):
-            packing.assemble(m, raws)
+            statedict.assemble(m, raws)
         # an encoder that lies: encoded hash fits, raw bytes are not the manifest's
         enc = packing.encode_chunk(raws[i])
         entry = dataclasses.replace(m.chunks[i], enc_size=len(enc), enc_hash=digest(enc))
@@ -182,14 +183,14 @@ def test_flipped_raw_byte_detected() -> None:
     with pytest.raises(ChunkMismatch):
         packing.decode_chunk(m.chunks[0], pv.encoded[0], None, bf16_split=not m.bf16_split)
     with pytest.raises(ManifestError):
-        packing.assemble(m, pv.raw_chunks[:-1])
+        statedict.assemble(m, pv.raw_chunks[:-1])
 
 
 def test_wrong_or_missing_parent() -> None:
     base = model_like(5000)
-    v1 = packing.pack_version(bf16(base), version=1, parent=None, chunk_size=2048, **KW)
-    other = packing.pack_version(bf16(step(base, 1e-2, 9)), version=1, parent=None, chunk_size=2048, **KW)
-    v2 = packing.pack_version(bf16(step(base, 1e-3, 3)), version=2, parent=v1, chunk_size=2048, **KW)
+    v1 = statedict.pack_version(bf16(base), version=1, parent=None, chunk_size=2048, **KW)
+    other = statedict.pack_version(bf16(step(base, 1e-2, 9)), version=1, parent=None, chunk_size=2048, **KW)
+    v2 = statedict.pack_version(bf16(step(base, 1e-3, 3)), version=2, parent=v1, chunk_size=2048, **KW)
     c, enc = v2.manifest.chunks[0], v2.encoded[0]
     assert c.encoding == "delta"
     with pytest.raises(ManifestError):
@@ -208,7 +209,7 @@ def test_wrong_or_missing_parent() -> None:
 
 def test_zstd_bomb_refused() -> None:
     raw = bytes(range(256)) * 4
-    entry = packing.pack_version(
+    entry = statedict.pack_version(
         {"w": torch.frombuffer(bytearray(raw), dtype=torch.uint8)}, version=0, parent=None, **KW
     ).manifest.chunks[0]
     big = 256 << 20
@@ -231,8 +232,8 @@ def test_zstd_bomb_refused() -> None:
 
 def test_manifest_consistency_refusals() -> None:
     sd1 = bf16(model_like(3000))
-    v1 = packing.pack_version(sd1, version=4, parent=None, chunk_size=1000, **KW)
-    v2 = packing.pack_version(bf16(step(model_like(3000), 1e-3, 5)), version=5, parent=v1, chunk_size=1000, **KW)
+    v1 = statedict.pack_version(sd1, version=4, parent=None, chunk_size=1000, **KW)
+    v2 = statedict.pack_version(bf16(step(model_like(3000), 1e-3, 5)), version=5, parent=v1, chunk_size=1000, **KW)
     m = v2.manifest
     packing.verify_manifest_consistency(m)
     assert m.parent == 4
@@ -268,9 +269,9 @@ def test_manifest_consistency_refusals() -> None:
             packing.verify_manifest_consistency(b)
             pytest.fail(f"case {i} accepted")
         with pytest.raises(ManifestError):
-            packing.assemble(b, v2.raw_chunks)
+            statedict.assemble(b, v2.raw_chunks)
     with pytest.raises(ManifestError):
-        packing.unflatten([rep(te[0], offset=10**9)], b"\0" * 100)
+        statedict.unflatten([rep(te[0], offset=10**9)], b"\0" * 100)
 
 
 def test_full_snapshot_cadence() -> None:
@@ -278,7 +279,7 @@ def test_full_snapshot_cadence() -> None:
     prev: packing.PackedVersion | None = None
     for version in range(1, 13):
         sd = step(sd, 1e-3, version)
-        pv = packing.pack_version(bf16(sd), version=version, parent=prev, chunk_size=1024, full_every=5, **KW)
+        pv = statedict.pack_version(bf16(sd), version=version, parent=prev, chunk_size=1024, full_every=5, **KW)
         m = pv.manifest
         packing.verify_manifest_consistency(m)
         encodings = {c.encoding for c in m.chunks}
@@ -286,34 +287,34 @@ def test_full_snapshot_cadence() -> None:
             assert encodings == {"full"} and m.parent is None, version
         else:
             assert encodings == {"delta"} and m.parent == version - 1, version
-        assert_identical(packing.assemble(m, decode_all(pv, prev)), bf16(sd))
+        assert_identical(statedict.assemble(m, decode_all(pv, prev)), bf16(sd))
         prev = pv
     # a parent cut differently is not usable for deltas
-    other = packing.pack_version(bf16(sd), version=13, parent=prev, chunk_size=2048, **KW)
+    other = statedict.pack_version(bf16(sd), version=13, parent=prev, chunk_size=2048, **KW)
     assert {c.encoding for c in other.manifest.chunks} == {"full"}
     with pytest.raises(ValueError):
-        packing.pack_version(bf16(sd), version=12, parent=prev, **KW)
+        statedict.pack_version(bf16(sd), version=12, parent=prev, **KW)
 
 
 def test_flatten_refuses_unsupported() -> None:
     with pytest.raises(TypeError):
-        packing.flatten({"c": torch.zeros(2, dtype=torch.complex64)})
+        statedict.flatten({"c": torch.zeros(2, dtype=torch.complex64)})
     with pytest.raises(TypeError):
-        packing.flatten({"x": [1, 2]})  # type: ignore[dict-item]
+        statedict.flatten({"x": [1, 2]})  # type: ignore[dict-item]
     with pytest.raises(ValueError):
-        packing.flatten({"x": torch.zeros([1] * 9)})
-    entries, raw = packing.flatten({})
+        statedict.flatten({"x": torch.zeros([1] * 9)})
+    entries, raw = statedict.flatten({})
     assert entries == [] and raw == b""
-    pv = packing.pack_version({}, version=0, parent=None, **KW)
-    assert pv.manifest.chunks == [] and packing.assemble(pv.manifest, []) == {}
+    pv = statedict.pack_version({}, version=0, parent=None, **KW)
+    assert pv.manifest.chunks == [] and statedict.assemble(pv.manifest, []) == {}
 
 
 def test_non_contiguous_and_shared_tensors() -> None:
     base = torch.arange(24, dtype=torch.float32).reshape(4, 6)
     sd = {"t": base.t(), "slice": base[:, 1:3], "tied_a": base, "tied_b": base}
-    entries, raw = packing.flatten(sd)
+    entries, raw = statedict.flatten(sd)
     assert all(e.offset % packing.ALIGN == 0 for e in entries)
-    out = packing.unflatten(entries, raw)
+    out = statedict.unflatten(entries, raw)
     for k, v in sd.items():
         assert torch.equal(out[k], v)
 
@@ -321,16 +322,16 @@ def test_non_contiguous_and_shared_tensors() -> None:
 @pytest.mark.slow
 def test_bf16_model_delta_ratio_and_speed_slow() -> None:
     sd1 = model_like(2_000_000)
-    v1 = packing.pack_version(bf16(sd1), version=1, parent=None, **KW)
+    v1 = statedict.pack_version(bf16(sd1), version=1, parent=None, **KW)
     sd2 = bf16(step(sd1, 1e-6, 1))
-    v2 = packing.pack_version(sd2, version=2, parent=v1, **KW)
+    v2 = statedict.pack_version(sd2, version=2, parent=v1, **KW)
     assert v2.encoded_bytes < 0.05 * v2.manifest.total_bytes
-    assert_identical(packing.assemble(v2.manifest, decode_all(v2, v1)), sd2)
+    assert_identical(statedict.assemble(v2.manifest, decode_all(v2, v1)), sd2)
 
 
 @pytest.mark.slow
 @settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(sd=state_dicts(max_numel=300), chunk_size=st.integers(1, 2000), split=st.booleans())
 def test_full_round_trip_many_slow(sd: dict[str, torch.Tensor], chunk_size: int, split: bool) -> None:
-    pv = packing.pack_version(sd, version=1, parent=None, chunk_size=chunk_size, bf16_split=split, **KW)
-    assert_identical(packing.assemble(pv.manifest, decode_all(pv, None)), sd)
+    pv = statedict.pack_version(sd, version=1, parent=None, chunk_size=chunk_size, bf16_split=split, **KW)
+    assert_identical(statedict.assemble(pv.manifest, decode_all(pv, None)), sd)

@@ -15,8 +15,9 @@ import trio
 
 from echo2 import __version__
 from echo2.learner_hub import probe_service as hubprobe
+from echo2.models import spec as modelspec
 from echo2.node import hardware, measure
-from echo2.protocol import envelope, modelspec
+from echo2.protocol import envelope
 from echo2.protocol.errors import Echo2Error, MeaningError, SchemaError
 from echo2.protocol.framing import RemoteError
 from echo2.protocol.identity import Identity
@@ -249,7 +250,7 @@ def test_bandwidth_responder_refuses_bad_requests() -> None:
 
 
 def test_measure_throughput_on_a_tiny_policy() -> None:
-    from echo2.node.engine import TransformersEngine
+    from echo2.models.engine import TransformersEngine
 
     torch.manual_seed(0)
     conf = modelspec.tiny_config(hidden=64, layers=1)

@@ -15,9 +15,9 @@ import trio
 
 from echo2.learner_hub.broadcast import PipelinedSender, StarWithHolds
 from echo2.learner_hub.publisher import PolicyPublisher, StarSender
+from echo2.models import statedict
 from echo2.node.chunkstore import ChunkStore
 from echo2.node.relay_runtime import RelayConfig, RelayNode, decode_request, encode_request
-from echo2.protocol import packing
 from echo2.protocol.errors import SchemaError
 from echo2.protocol.identity import Identity
 from echo2.protocol.net.dataplane import DataPlaneServer
@@ -90,7 +90,7 @@ class Swarm:
 def _check_loaded(node: RelayNode, sd: dict[str, torch.Tensor]) -> None:
     assert node.held is not None
     m = node.held.manifest
-    out = packing.assemble(m, node.store.load_raw_chunks(m))
+    out = statedict.assemble(m, node.store.load_raw_chunks(m))
     assert torch.equal(out["w"], sd["w"])
 
 

@@ -28,11 +28,11 @@ from typing import Any
 
 import torch
 
-from echo2.protocol import modelspec
 from echo2.protocol.errors import ManifestError
 from echo2.protocol.messages import Completion
 
-from .engine import EngineError, validate_request
+from . import spec as modelspec
+from .engine_api import EngineError, validate_request
 
 log = logging.getLogger(__name__)
 

@@ -1,6 +1,6 @@
 """Rollout engines: turn (policy version, prompts, sampling settings) into completions.
 
-Contract (API.md, ``echo2.node.engine``): for every sampled token the engine reports
+Contract (API.md, ``echo2.models.engine``): for every sampled token the engine reports
 ``log_softmax(logits / T)[token]`` in float32, with top-p NOT applied, so the learner's
 teacher-forced recompute at the same temperature matches within ~1e-5 in fp32 and the hub can
 check a node's reported behaviour log-probs.  ``T == 0`` means greedy decoding; its log-probs are
@@ -16,67 +16,19 @@ from __future__ import annotations
 import importlib.util
 import inspect
 import logging
-from typing import Any, Protocol, runtime_checkable
+from typing import Any
 
 import torch
 
-from echo2.protocol import modelspec
-from echo2.protocol.errors import ManifestError, MeaningError
+from echo2.protocol.errors import ManifestError
 from echo2.protocol.messages import Completion
 
+from . import spec as modelspec
+from .engine_api import Engine, EngineError, validate_request
+
+__all__ = ["Engine", "EngineError", "TransformersEngine", "check_state_dict", "select_engine", "validate_request"]
+
 log = logging.getLogger(__name__)
-
-
-class EngineError(MeaningError):
-    """The engine cannot run this task (no model loaded, token out of vocabulary, too long)."""
-
-    code = "engine"
-
-
-@runtime_checkable
-class Engine(Protocol):
-    name: str
-    version: int | None
-
-    def load_version(
-        self,
-        version: int,
-        model_config_json: str,
-        artifacts: dict[str, bytes],
-        state_dict: dict[str, torch.Tensor],
-    ) -> None: ...
-
-    def generate(
-        self,
-        prompts: list[list[int]],
-        group_size: int,
-        max_new_tokens: int,
-        temperature: float,
-        top_p: float,
-        seed: int,
-    ) -> list[Completion]: ...
-
-
-def validate_request(
-    prompts: list[list[int]],
-    group_size: int,
-    max_new_tokens: int,
-    temperature: float,
-    top_p: float,
-    vocab_size: int,
-) -> None:
-    """Engine-side checks a schema cannot do (the Task schema already bounds sizes)."""
-    if not prompts:
-        raise EngineError("no prompts")
-    if group_size < 1 or max_new_tokens < 1:
-        raise EngineError("group_size and max_new_tokens must be >= 1")
-    if not (temperature >= 0.0) or not (0.0 < top_p <= 1.0):
-        raise EngineError(f"bad sampling settings temperature={temperature} top_p={top_p}")
-    for i, p in enumerate(prompts):
-        if not p:
-            raise EngineError(f"prompt {i} is empty")
-        if min(p) < 0 or max(p) >= vocab_size:
-            raise EngineError(f"prompt {i} has a token id outside the vocabulary (size {vocab_size})")
 
 
 def check_state_dict(model: torch.nn.Module, state_dict: dict[str, torch.Tensor]) -> None:
