@@ -288,15 +288,15 @@ class Message(Record):
 
     TYPE: ClassVar[str] = ""
     DOMAIN: ClassVar[str] = ""
-    PROTOCOL_ID: ClassVar[str] = ""
     MAX_SIZE: ClassVar[int] = 0
     VERSION: ClassVar[str] = "1.0.0"
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
+        # The stream a message travels on is named once, in :mod:`echo2.protocol.wire`; the domain
+        # names the message itself (what an envelope's signature is bound to).
         super().__init_subclass__(**kwargs)
         if cls.TYPE:
             cls.DOMAIN = f"echo2/{cls.TYPE}/{cls.VERSION}"
-            cls.PROTOCOL_ID = f"/echo2/{cls.TYPE}/{cls.VERSION}"
 
 
 _HASH = Bytes(size=HASH_SIZE)
