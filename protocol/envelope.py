@@ -23,7 +23,7 @@ from typing import Any, Generic, TypeVar, overload
 
 import msgpack
 
-from . import canonical
+from . import canonical, fastdecode
 from .errors import (
     DecodeError,
     Echo2Error,
@@ -239,16 +239,26 @@ def open_envelope(
     if size > limit:
         raise TooLarge(f"envelope of {size} bytes exceeds the limit of {limit} bytes")
 
-    # 2. decoding (envelope, then the payload it carries)
+    # 2. decoding (envelope, then the payload it carries). A payload of an expected type is
+    # decoded and schema-checked in one go (fastdecode); its refusal is raised in step 3.
     env = canonical.decode(data, max_size=limit)
+    by_domain = {t.DOMAIN: t for t in types}
     payload_obj: Any = None
+    message: Message | None = None
+    schema_error: SchemaError | None = None
     if type(env) is dict and type(env.get("p")) is bytes:
-        payload_obj = canonical.decode(env["p"], max_size=limit)
+        guess = by_domain.get(env["d"]) if type(env.get("d")) is str else None
+        if guess is None:
+            payload_obj = canonical.decode(env["p"], max_size=limit)
+        else:
+            try:
+                message = fastdecode.decode_payload(guess, env["p"], max_size=limit)
+            except SchemaError as exc:
+                schema_error = exc
 
     # 3. schema: envelope fields, domain, payload
     _check_envelope_schema(env)
     domain = env["d"]
-    by_domain = {t.DOMAIN: t for t in types}
     cls = by_domain.get(domain)
     if cls is None:
         known = MESSAGE_TYPES_BY_DOMAIN.get(domain)
@@ -256,7 +266,10 @@ def open_envelope(
         raise WrongDomain(f"expected {sorted(by_domain)}, got {what}")
     if max_size is None and size > cls.MAX_SIZE:  # a small type must not ride under a large one's limit
         raise TooLarge(f"{cls.TYPE} envelope of {size} bytes exceeds the limit of {cls.MAX_SIZE} bytes")
-    message = cls.from_wire(payload_obj)
+    if schema_error is not None:
+        raise schema_error
+    if message is None:
+        message = cls.from_wire(payload_obj)
 
     # 4. signature, over the bytes as received (no re-encoding of a payload of up to 64 MiB)
     signer_key: bytes = env["k"]
