@@ -6,7 +6,8 @@ Wire form: a canonical map ``{"d": domain, "k": signer public key (32 bytes), "n
 being valid for another echo2 or libp2p signing context with the same key.
 
 :func:`open_envelope` checks in the order of the design brief: size, decoding, schema (incl. the
-domain), signature, signer allowed, expiry, replay. Each refusal is its own Echo2Error subclass;
+domain), signature, signer allowed, expiry, replay. The signature is checked over the bytes
+as received (the canonical map minus its "s" entry is a slice of them), never a re-encoding. Each refusal is its own Echo2Error subclass;
 what the message *means* is the caller's to judge. Pure: no I/O, the clock is a parameter.
 """
 
@@ -22,7 +23,7 @@ from typing import Any, Generic, TypeVar, overload
 
 import msgpack
 
-from . import canonical
+from . import canonical, fastdecode
 from .errors import (
     DecodeError,
     Echo2Error,
@@ -166,6 +167,26 @@ def _check_envelope_schema(env: Any) -> None:
         raise SchemaError("envelope: expires before it was created")
 
 
+# In canonical key order the signature entry is the fifth of seven (d k n p s t x) and only the two
+# float64 entries follow it, so its place in a canonical envelope is fixed from the end.
+_TAIL = 2 * (2 + 9)  # "t" and "x": fixstr key + float64
+_SIG_ENTRY = 2 + 2 + SIGNATURE_SIZE  # "s": fixstr key + bin8 header + 64 bytes
+
+
+def _signed_bytes(data: bytes | bytearray | memoryview) -> bytes:
+    """``SIGN_PREFIX + canonical.encode(envelope without "s")``, cut from the canonical ``data``.
+
+    Only for ``data`` that decoded as canonical and passed the envelope schema.
+    """
+    mv = memoryview(data)
+    sig_at = len(mv) - _TAIL - _SIG_ENTRY
+    if mv[0] != 0x80 | len(ENVELOPE_KEYS) or bytes(mv[sig_at : sig_at + 4]) != b"\xa1s\xc4\x40":
+        raise DecodeError("envelope layout is not canonical")  # unreachable after canonical.decode
+    return b"".join(
+        (SIGN_PREFIX, bytes([0x80 | (len(ENVELOPE_KEYS) - 1)]), mv[1:sig_at], mv[len(mv) - _TAIL :])
+    )
+
+
 @overload
 def open_envelope(
     data: bytes | bytearray | memoryview,
@@ -218,16 +239,26 @@ def open_envelope(
     if size > limit:
         raise TooLarge(f"envelope of {size} bytes exceeds the limit of {limit} bytes")
 
-    # 2. decoding (envelope, then the payload it carries)
+    # 2. decoding (envelope, then the payload it carries). A payload of an expected type is
+    # decoded and schema-checked in one go (fastdecode); its refusal is raised in step 3.
     env = canonical.decode(data, max_size=limit)
+    by_domain = {t.DOMAIN: t for t in types}
     payload_obj: Any = None
+    message: Message | None = None
+    schema_error: SchemaError | None = None
     if type(env) is dict and type(env.get("p")) is bytes:
-        payload_obj = canonical.decode(env["p"], max_size=limit)
+        guess = by_domain.get(env["d"]) if type(env.get("d")) is str else None
+        if guess is None:
+            payload_obj = canonical.decode(env["p"], max_size=limit)
+        else:
+            try:
+                message = fastdecode.decode_payload(guess, env["p"], max_size=limit)
+            except SchemaError as exc:
+                schema_error = exc
 
     # 3. schema: envelope fields, domain, payload
     _check_envelope_schema(env)
     domain = env["d"]
-    by_domain = {t.DOMAIN: t for t in types}
     cls = by_domain.get(domain)
     if cls is None:
         known = MESSAGE_TYPES_BY_DOMAIN.get(domain)
@@ -235,12 +266,14 @@ def open_envelope(
         raise WrongDomain(f"expected {sorted(by_domain)}, got {what}")
     if max_size is None and size > cls.MAX_SIZE:  # a small type must not ride under a large one's limit
         raise TooLarge(f"{cls.TYPE} envelope of {size} bytes exceeds the limit of {cls.MAX_SIZE} bytes")
-    message = cls.from_wire(payload_obj)
+    if schema_error is not None:
+        raise schema_error
+    if message is None:
+        message = cls.from_wire(payload_obj)
 
-    # 4. signature
+    # 4. signature, over the bytes as received (no re-encoding of a payload of up to 64 MiB)
     signer_key: bytes = env["k"]
-    body = {k: v for k, v in env.items() if k != "s"}
-    verify_signature(signer_key, env["s"], SIGN_PREFIX + canonical.encode(body))
+    verify_signature(signer_key, env["s"], _signed_bytes(data))
     signer = peer_id_from_public_key(signer_key)
 
     # 5. signer allowed for this message type

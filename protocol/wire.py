@@ -2,6 +2,10 @@
 
 Control requests travel over libp2p streams (the stream's Noise-authenticated peer ID names the
 sender; the payload is still a signed envelope so it can be logged, stored and re-verified).
+
+The stream protocol IDs below are the only definition of each: a message class has a domain
+(``Message.DOMAIN``, what its signature is bound to) but no protocol ID of its own, since one
+stream carries a request and its reply (and WORK carries a Heartbeat one way, a Task the other).
 """
 
 from __future__ import annotations

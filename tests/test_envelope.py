@@ -385,3 +385,19 @@ def test_peek_domain() -> None:
         peek_domain(b"\x87\xa1d\x05")
     with pytest.raises(TooLarge):
         peek_domain(b"\x00" * (envelope.MAX_ENVELOPE_SIZE + 1))
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(msg=any_message)
+def test_signed_bytes_cut_from_the_envelope_equal_the_reencoded_body(msg: messages.Message) -> None:
+    # The signature is checked over bytes cut from the envelope as received; they must be exactly
+    # what the signer signed: the prefix and the canonical map without "s".
+    for payload_len in (0, 300, 70_000):  # bin8, bin16 and bin32 length forms of "p"
+        data = canonical.encode({**body_of(msg), "p": b"\x01" * payload_len})
+        body = canonical.decode(data, max_size=1 << 26)
+        del body["s"]
+        assert envelope._signed_bytes(data) == SIGN_PREFIX + canonical.encode(body)
+    data = seal(NODE, msg, now=NOW)
+    body = canonical.decode(data, max_size=1 << 26)
+    del body["s"]
+    assert envelope._signed_bytes(memoryview(data)) == SIGN_PREFIX + canonical.encode(body)

@@ -10,13 +10,14 @@ from __future__ import annotations
 import random
 from typing import Any
 
+import msgpack
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from test_canonical import values
 from test_messages import IDENTITIES, any_message, make_announce, make_manifest, make_result, make_task
 
-from echo2.protocol import canonical, messages
+from echo2.protocol import canonical, fastdecode, messages
 from echo2.protocol.envelope import SIGN_PREFIX, ReplayGuard, open_envelope, peek_domain, seal
 from echo2.protocol.errors import Echo2Error, SchemaError
 from echo2.protocol.messages import MESSAGE_TYPES, RECORD_TYPES
@@ -66,6 +67,11 @@ INTERESTING = [0x00, 0x01, 0x7F, 0x80, 0x90, 0xA0, 0xC0, 0xC1, 0xC2, 0xC3, 0xC4,
 
 def fuzz_one(data: bytes, guard: ReplayGuard | None = None) -> None:
     """Feed ``data`` to every decoder; any non-echo2 exception propagates and fails the test."""
+    check_fast_decode(data)
+    try:
+        check_fast_decode(canonical.decode(data, max_size=MAX)["p"])
+    except (Echo2Error, TypeError, KeyError):
+        pass
     try:
         obj = canonical.decode(data, max_size=MAX)
     except Echo2Error:
@@ -80,6 +86,21 @@ def fuzz_one(data: bytes, guard: ReplayGuard | None = None) -> None:
         peek_domain(data)
     except Echo2Error:
         pass
+
+
+def _outcome(fn: Any) -> Any:
+    try:
+        return ("ok", fn())
+    except Echo2Error as exc:
+        return (type(exc).__name__, exc.message)
+
+
+def check_fast_decode(payload: bytes) -> None:
+    """The fast payload decoder accepts and refuses exactly like the reference, word for word."""
+    for cls in RECORD_TYPES:
+        fast = _outcome(lambda c=cls: fastdecode.decode_payload(c, payload, max_size=MAX))
+        ref = _outcome(lambda c=cls: c.from_wire(canonical.decode(payload, max_size=MAX)))
+        assert fast == ref, cls.__name__
 
 
 def check_from_wire(obj: Any) -> None:
@@ -197,6 +218,66 @@ def test_structurally_mutated_messages(msg: messages.Message, data: st.DataObjec
 @pytest.mark.timeout(60)
 def test_seeded_mutations() -> None:
     run_mutations(seed=1, n=300)
+
+
+def test_fast_path_taken_for_every_type(monkeypatch: pytest.MonkeyPatch) -> None:
+    # A valid payload of each type is decoded by msgspec alone, never by the reference path.
+    payloads = [canonical.decode(env, max_size=MAX)["p"] for env in CORPUS]
+    for payload, env in zip(payloads, CORPUS, strict=True):
+        expected = open_envelope(env, ALL_TYPES, now=NOW, replay=None).message
+        with monkeypatch.context() as mp:
+            mp.setattr(canonical, "decode", None)
+            assert fastdecode.decode_payload(type(expected), payload, max_size=MAX) == expected
+    for msg in (make_task(), make_announce(), make_result(), make_manifest()):
+        payload = canonical.encode(msg.to_wire())
+        with monkeypatch.context() as mp:
+            mp.setattr(canonical, "decode", None)
+            assert fastdecode.decode_payload(type(msg), payload, max_size=MAX) == msg
+
+
+@pytest.mark.timeout(60)
+@_fast(150)
+@given(any_message, st.data())
+def test_fast_decode_agrees_on_mutated_payloads(msg: messages.Message, data: st.DataObject) -> None:
+    wire = mutate_wire(data, msg.to_wire())
+    try:
+        payload = canonical.encode(wire)
+    except SchemaError:
+        return
+    check_fast_decode(payload)
+    check_fast_decode(msgpack_variants(payload, data))
+
+
+def msgpack_variants(payload: bytes, data: st.DataObject) -> bytes:
+    """Non-canonical spellings of the same value: ints where floats belong, float32, long forms."""
+    obj = canonical.decode(payload, max_size=MAX)
+    choice = data.draw(st.sampled_from(["float32", "intfloat", "unsorted"]))
+    try:
+        if choice == "float32":
+            return msgpack.packb(obj, use_bin_type=True, use_single_float=True)
+        if choice == "intfloat":
+            return msgpack.packb(_ints_for_floats(obj), use_bin_type=True)
+        return msgpack.packb(_reversed_maps(obj), use_bin_type=True)
+    except (OverflowError, ValueError):  # a float64 beyond float32's range
+        return payload
+
+
+def _ints_for_floats(v: Any) -> Any:
+    if type(v) is float and v.is_integer() and abs(v) < 2**53:
+        return int(v)
+    if isinstance(v, dict):
+        return {k: _ints_for_floats(x) for k, x in v.items()}
+    if isinstance(v, list):
+        return [_ints_for_floats(x) for x in v]
+    return v
+
+
+def _reversed_maps(v: Any) -> Any:
+    if isinstance(v, dict):
+        return {k: _reversed_maps(v[k]) for k in reversed(list(v))}
+    if isinstance(v, list):
+        return [_reversed_maps(x) for x in v]
+    return v
 
 
 def test_corpus_is_valid() -> None:

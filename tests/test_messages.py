@@ -13,7 +13,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from echo2.protocol import canonical, messages
+from echo2.protocol import canonical, messages, wire
 from echo2.protocol.errors import SchemaError
 from echo2.protocol.hashing import digest
 from echo2.protocol.identity import Identity
@@ -199,7 +199,7 @@ def test_registry() -> None:
     for t, cls in MESSAGE_TYPES.items():
         assert cls.TYPE == t
         assert cls.DOMAIN == f"echo2/{t}/1.0.0"
-        assert cls.PROTOCOL_ID == f"/echo2/{t}/1.0.0"
+        assert not hasattr(cls, "PROTOCOL_ID")  # stream IDs live in wire.py only
         assert cls.MAX_SIZE > 0
         domains.add(cls.DOMAIN)
         assert dataclasses.is_dataclass(cls)
@@ -402,3 +402,9 @@ def test_validate_refuses_bad_local_messages() -> None:
         make_announce(price_usd_per_hour=-3.0).validate()
     with pytest.raises(SchemaError, match="Task.node_id"):
         make_task(node_id="me").validate()
+
+
+def test_stream_protocol_ids_defined_once() -> None:
+    ids = [wire.ADMISSION, wire.WORK, wire.RESULT, wire.DECLINE, wire.HOLDS, wire.REPORT, wire.PROBE]
+    assert len(set(ids)) == len(ids)
+    assert all(p.startswith("/echo2/") and p.endswith("/1.0.0") for p in ids)

@@ -1,0 +1,154 @@
+"""Golden wire bytes: the canonical encoding of every message type, captured before the schema
+library moved to msgspec. Signatures and task hashes depend on these bytes, so they must never change.
+
+Each message holds the awkward cases: str/bin length-form boundaries, non-ASCII keys and strings,
+ints at their form boundaries, -0.0 and extreme floats, None, nested records, maps keyed by peer ID.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from typing import Any
+
+from echo2.protocol import canonical, envelope
+from echo2.protocol import messages as m
+from echo2.protocol.identity import Identity
+
+IDS = [Identity.from_seed(bytes([i + 1]) * 32) for i in range(3)]
+P = [i.peer_id for i in IDS]
+NOW = 1_700_000_000.25
+
+
+def golden() -> dict[str, Any]:
+    ann = m.Announce(
+        P[1],
+        "0.1.0",
+        "NVIDIA H200 ☃",
+        8,
+        141 << 30,
+        "x" * 200,
+        16,
+        2**40,
+        2**63 - 1,
+        "vllm",
+        "0.6",
+        1234.5,
+        0.0,
+        100.125,
+        1e-300,
+        1.5e300,
+        ["/ip4/127.0.0.1/tcp/4001", "a" * 31, "b" * 32, "c" * 256],
+        "h:1",
+        True,
+        [0, 1, 127, 128, 255, 256, 65536, 2**32],
+        0.0,
+    )
+    task = m.Task(
+        "t-" + "é" * 20,
+        P[0],
+        [[0, 1, 127, 128, 2**31 - 1], [], [65535, 65536]],
+        4,
+        8192,
+        0.7,
+        1.0,
+        2**63 - 1,
+        3,
+        2,
+        NOW,
+    )
+    comp = [m.Completion(0, [5, 6, 2], [-0.5, -1.25, -0.0], "stop"), m.Completion(2**40, [], [], "length")]
+    return {
+        "announce": ann,
+        "heartbeat": m.Heartbeat(P[0], 5, [1, 2], 1, 3),
+        "admission_request": m.AdmissionRequest(P[1], "tok" * 100, ann),
+        "admission_decision": m.AdmissionDecision(P[0], False, "full", "127.0.0.1:9", -1, 2),
+        "task": task,
+        "result": m.Result("t-1", m.task_hash(task), P[0], 3, comp, NOW, 1.5, 3),
+        "task_decline": m.TaskDecline("t-1", b"\x01" * 32, P[0], "busy", "queue full"),
+        "manifest": m.Manifest(
+            4,
+            None,
+            NOW,
+            4096,
+            8192,
+            [m.TensorEntry("w", "bfloat16", [64, 64], 0, 8192), m.TensorEntry("ß", "bool", [], 8192, 0)],
+            [
+                m.ManifestChunk(0, 0, 4096, b"\x01" * 32, "full", 100, b"\x02" * 32, None),
+                m.ManifestChunk(1, 4096, 4096, b"\x03" * 32, "delta", 50, b"\x04" * 32, b"\x05" * 32),
+            ],
+            '{"hidden": 64}',
+            {"z": b"", "tokenizer.json": b"{}", "é": b"\x00" * 300, "Z": b"x" * 70000},
+            True,
+        ),
+        "broadcast_plan": m.BroadcastPlan(
+            3,
+            2,
+            {P[1]: [P[0], P[2]], P[2]: [P[0], P[1]]},
+            {P[0]: [[P[1]], [P[2]]], P[1]: [[], [P[2]]]},
+            {P[0]: "a:1", P[1]: "b:2"},
+            NOW,
+        ),
+        "chunk_have": m.ChunkHave(P[0], 3, b"\xf0\x01"),
+        "chunk_request": m.ChunkRequest(3, [0, 5, 9, 999_999]),
+        "holds_version": m.HoldsVersion(P[0], 3, 1.0),
+        "relay_report": m.RelayReport(P[0], P[1], 3, 1 << 24, b"\x03" * 32, b"\x04" * 32),
+        "error": m.ErrorReply("schema", "bad ☃ \U0001f600"),
+        "probe_reply": m.ProbeReply(P[0], b"\x02" * 16, NOW, True, "dialled back", "127.0.0.1:9"),
+    }
+
+
+# sha256 of each message's canonical bytes (length in the comment), captured from the old schema code.
+GOLDEN = {
+    "announce": ("8f874c4e505ad56bd4df21fcd31b468527bd03d50408285ff84378aeb32f1370", 1037),
+    "heartbeat": ("3a154b22b3f632576c83b9df7f0272b5aa7d9a75e22a8e2ad0383c1ab433d6a4", 109),
+    "admission_request": ("671690285169afc88abb993d15ec10e90dc18360497b2b5b6f49991897d6e364", 1423),
+    "admission_decision": ("d184a3086650e2a62f37fc08f655930146ba59af7aac7511ceb2af1ae227b9e2", 139),
+    "task": ("ccca8ce23e8e582263b2a0e28c642ccd47876b77f638b028432e8ef56e420724", 273),
+    "result": ("a7abb5eaa08922beb40a1bd1d8bb5c84d584116055727262341b77c92251bc1c", 340),
+    "task_decline": ("5f2c11c724ec344497483cdb66a48dd8a28a77306acc007983f805fa79cf470f", 154),
+    "manifest": ("1d93345fecb116871a98ebad7d0aa6c6079fba7b0a5727c789be6a357785172a", 70909),
+    "broadcast_plan": ("5880f61f38a49ffcb1120c94e22f29c3f0730c3b408718e06f7f4bf4d2c7e76b", 785),
+    "chunk_have": ("e80afdcd30b64c5a20f53c5c50951740158ca06488484a2249d2db21eddadf67", 81),
+    "chunk_request": ("9f51b17b96b7de871b47a9e43aa0c2b0152fab3cc06a70914c560f2b1bcbf171", 27),
+    "holds_version": ("1c8095e2089b696a28b86e2dd11014a52685e60c956dff36a3c5735178ab3665", 89),
+    "relay_report": ("cf5101a9e83f88b2e32171d43e0a25f2fdcda05edf7d9f4f1dbfa686ddc222a0", 236),
+    "error": ("7029977ac982b98c10d7a0df5a3ba30b4557b7c706e8556ba9b9ee456df11731", 34),
+    "probe_reply": ("0aab14b50bd3bd3da67735b49258838d0bc6bfbfd9536092f00a8e51349347d7", 172),
+    "envelope_task": ("c9d96e50a4a2c08e4ce8dd9ccbbfb2a45915795bf0a3a9f3fa48f5872c652470", 444),
+}
+TASK_HASH = "626ea549864dad821f852ac36672287330583dfde51fab7c64cd3017492196e3"
+TASK_BYTES = "8ba8646561646c696e65cb41d954fc40100000aa67726f75705f73697a6504ae6d61785f6e65775f746f6b656e73cd2000af6d61785f76657273696f6e5f6c616702ab6d696e5f76657273696f6e03a76e6f64655f6964d934313244334b6f6f574b3939566f56784e4537587a79427758457a573778684b37477076383572394633563366794b53554b504835a770726f6d707473939500017fcc80ce7fffffff9092cdffffce00010000a473656564cf7fffffffffffffffa77461736b5f6964d92a742dc3a9c3a9c3a9c3a9c3a9c3a9c3a9c3a9c3a9c3a9c3a9c3a9c3a9c3a9c3a9c3a9c3a9c3a9c3a9c3a9ab74656d7065726174757265cb3fe6666666666666a5746f705f70cb3ff0000000000000"
+
+
+def _sha(b: bytes) -> tuple[str, int]:
+    return hashlib.sha256(b).hexdigest(), len(b)
+
+
+def test_every_type_is_covered() -> None:
+    assert set(golden()) == set(m.MESSAGE_TYPES)
+
+
+def test_canonical_bytes_unchanged() -> None:
+    for name, msg in golden().items():
+        assert msg.validate() == msg, name
+        assert _sha(canonical.encode(msg.to_wire())) == GOLDEN[name], name
+    assert canonical.encode(golden()["task"].to_wire()).hex() == TASK_BYTES
+
+
+def test_task_hash_unchanged() -> None:
+    assert m.task_hash(golden()["task"]).hex() == TASK_HASH
+
+
+def test_decoded_bytes_reencode_identically() -> None:
+    for name, msg in golden().items():
+        data = canonical.encode(msg.to_wire())
+        back = type(msg).from_wire(canonical.decode(data, max_size=len(data)))
+        assert back == msg, name
+        assert canonical.encode(back.to_wire()) == data, name
+
+
+def test_sealed_envelope_unchanged_and_opens() -> None:
+    data = envelope.seal(IDS[0], golden()["task"], now=NOW, ttl_s=60.0, nonce=b"\x09" * 16)
+    assert _sha(data) == GOLDEN["envelope_task"]
+    v = envelope.open_envelope(data, m.Task, now=NOW, replay=None)
+    assert v.message == golden()["task"] and v.signer == P[0]
