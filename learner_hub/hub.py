@@ -64,6 +64,7 @@ from .publisher import PolicyPublisher, StarSender
 from .reputation import Event, ReputationBook, ReputationConfig
 from .status_http import StatusServer, hub_metrics
 from .store import HubStore
+from .storeworker import StoreWorker
 
 log = logging.getLogger(__name__)
 
@@ -182,7 +183,8 @@ class Hub:
         self.data_addr = ""
         self.status_url = ""
         # operator state: persisted in DIR/hub.sqlite, checkpoints in DIR/checkpoints
-        self.store = HubStore.in_dir(self.dir)
+        self.store = StoreWorker(self.dir)
+        self.banned: dict[str, str] = self.store.banned()
         self.ledger = Ledger.restore(self.store.load_ledger())
         self.reputation = ReputationBook(ReputationConfig(relay_report_quorum=cfg.relay_report_quorum))
         self.relay_reports_received = 0
@@ -195,8 +197,6 @@ class Hub:
             cfg.admission,
             cfg.allowlist,
             hub_peer_id=self.identity.peer_id,
-            ban_reason=self.store.ban_reason,
-            is_allowed=self.store.is_allowed,
         )
         self.resumed_from: int | None = None
         self.restored_results = 0
@@ -229,12 +229,17 @@ class Hub:
         self.restored_results = restored
         log.info("resumed from checkpoint at step %d; %d accepted results not yet trained restored", step, restored)
 
-    def _checkpoint(self) -> None:
-        state = self.learner.checkpoint_state()
-        state["prompt_seq"] = self._prompt_seq
-        state["history"] = self.history
-        state["busy_s"] = self.busy_s
-        self.store.save_checkpoint(self.learner.version, state)
+    async def _checkpoint(self) -> None:
+        extra = {"prompt_seq": self._prompt_seq, "history": copy.deepcopy(self.history), "busy_s": self.busy_s}
+        step = self.learner.version
+
+        def write() -> tuple[Path, int]:
+            # the learner is not stepped while this runs (the learner loop awaits it)
+            state = self.learner.checkpoint_state() | extra
+            return HubStore.write_checkpoint_file(self.store.checkpoint_dir, step, state)
+
+        final, size = await trio.to_thread.run_sync(write)
+        self.store.submit(HubStore.record_checkpoint, step, final, size)
 
     def _peer_info(self, peer: str) -> PeerInfo | None:
         """Planning input from the node's signed Announce (its hello is only a fallback)."""
@@ -333,7 +338,7 @@ class Hub:
                 deadline=a.deadline,
             )
             self.task_hashes[a.task_id] = task_hash(task)
-            self.store.record_task(a.task_id, a.node_id, now, a.deadline, a.n_rollouts)
+            self.store.submit(HubStore.record_task, a.task_id, a.node_id, now, a.deadline, a.n_rollouts)
             # within the node's replay window (600 s), however long the deadline
             ttl = min(540.0, max(60.0, a.deadline - now + 60.0))
             node.mailbox.append(envelope.seal(self.identity, task, ttl_s=ttl))
@@ -348,9 +353,10 @@ class Hub:
         now = time.time()
         if not self._admission_bucket.allow("all", trio.current_time()):
             raise MeaningError("too many admission requests right now; retry later")
-        d = self.admission.decide(peer, req.join_token, now)
+        ban, allowed = await self.store.call(lambda st: (st.ban_reason(peer), st.is_allowed(peer)))
+        d = self.admission.decide(peer, req.join_token, now, looked_up=(ban, allowed))
         admitted, reason = d.admitted, d.reason
-        self.store.log_admission(peer, now, admitted, d.code, reason)
+        self.store.submit(HubStore.log_admission, peer, now, admitted, d.code, reason)
         if not admitted:
             self.refusals[f"admission_{d.code}"] += 1
             log.warning("refused admission of %s: %s", peer, reason)
@@ -362,7 +368,7 @@ class Hub:
                 self._fleet_changed_pending = True
             else:
                 node.announce, node.last_seen = req.announce, now
-            self.store.upsert_node(peer, now, announce=req.announce.to_wire(), price=req.announce.price_usd_per_hour, state="standby")
+            self.store.submit(HubStore.upsert_node, peer, now, announce=req.announce.to_wire(), price=req.announce.price_usd_per_hour, state="standby")
             self.dispatcher.add_node(peer, rate=max(req.announce.rollouts_per_s, 1.0))
             self.dispatcher.seed_rate(peer, req.announce.rollouts_per_s)
             self.activate()
@@ -409,22 +415,22 @@ class Hub:
                 self._check_completions(task, r)
         except Echo2Error as exc:
             self._punish(peer, Event.FORGED, exc.message)
-            self.store.record_result(r.task_id, peer, r.version, accepted=False, reason=exc.code, tokens=r.tokens,
+            self.store.submit(HubStore.record_result, r.task_id, peer, r.version, accepted=False, reason=exc.code, tokens=r.tokens,
                                      rollouts=len(r.completions), received_at=time.time())
             raise
         verdict = self.dispatcher.on_result(time.time(), r.task_id, peer, r.version, self.learner.version, len(r.completions))
         if not verdict.accepted:
             node.refused += 1
             self.ledger.refuse(peer, verdict.code.value)
-            self.store.record_result(r.task_id, peer, r.version, accepted=False, reason=verdict.code.value,
+            self.store.submit(HubStore.record_result, r.task_id, peer, r.version, accepted=False, reason=verdict.code.value,
                                      tokens=r.tokens, rollouts=len(r.completions), received_at=time.time())
             self._pump()
             raise MeaningError(f"result refused: {verdict.code.value}")
         assert verdict.task is not None
         groups = self._admit_result(verdict.task, r, node)
-        self.store.record_result(r.task_id, peer, r.version, accepted=True, reason="accepted", tokens=r.tokens,
+        self.store.submit(HubStore.record_result, r.task_id, peer, r.version, accepted=True, reason="accepted", tokens=r.tokens,
                                  rollouts=len(r.completions), received_at=time.time(), payload=_encode_groups(groups))
-        self.store.close_task(r.task_id, "done", time.time())
+        self.store.submit(HubStore.close_task, r.task_id, "done", time.time())
         self.ledger.accept(peer, len(r.completions), r.tokens)
         self.reputation.record(peer, Event.ACCEPTED)
         self._refill()
@@ -436,17 +442,18 @@ class Hub:
         if node is not None:
             node.refused += 1
         out = self.reputation.record(peer, event, detail)
-        self.store.set_reputation(peer, out.score, self.reputation.snapshot(peer))
+        self.store.submit(HubStore.set_reputation, peer, out.score, self.reputation.snapshot(peer))
         if out.ban:
             self.ban(peer, out.ban)
 
     def ban(self, peer: str, reason: str) -> None:
         log.warning("banning node %s: %s", peer, reason)
         now = time.time()
-        self.store.ban(peer, reason, now)
+        self.store.submit(HubStore.ban, peer, reason, now)
+        self.banned[peer] = reason
         self.refusals["banned"] += 1
         for tid in self.dispatcher.on_node_left(peer):
-            self.store.close_task(tid, "reassigned", now)
+            self.store.submit(HubStore.close_task, tid, "reassigned", now)
         self.ledger.deactivate(peer, now)
         self.nodes.pop(peer, None)
         # its rollouts still waiting in the buffer are not trained on
@@ -506,7 +513,7 @@ class Hub:
     async def on_decline(self, peer: str, data: bytes) -> bytes:
         v = envelope.open_envelope(data, TaskDecline, replay=self.replay, allowed=self._signer_is(peer))
         if self.dispatcher.on_decline(v.message.task_id, peer, v.message.reason):
-            self.store.close_task(v.message.task_id, f"declined:{v.message.reason_code}", time.time())
+            self.store.submit(HubStore.close_task, v.message.task_id, f"declined:{v.message.reason_code}", time.time())
         self._pump()
         return envelope.seal(self.identity, ErrorReply(code="ok", message="noted"))
 
@@ -552,14 +559,14 @@ class Hub:
         rep_state = self.reputation.get(rep.accused)
         new_reporter = peer not in rep_state.relay_reporters
         self.relay_reports_received += 1
-        self.store.record_relay_report(rep.accused, peer, rep.version, rep.index, time.time())
+        self.store.submit(HubStore.record_relay_report, rep.accused, peer, rep.version, rep.index, time.time())
         if not new_reporter:
             return envelope.seal(self.identity, ErrorReply(code="ok", message="noted (already reported by this peer)"))
         log.warning("relay report: %s relayed a corrupt chunk %d of v%d to %s", rep.accused, rep.index, rep.version, peer)
         self.sender.distrust(rep.accused, f"corrupt chunk {rep.index} of v{rep.version} reported by {peer}")
         detail = f"chunk {rep.index} of v{rep.version}, reported by {peer}"
         out = self.reputation.record(rep.accused, Event.CORRUPT_RELAY, detail, reporter=peer)
-        self.store.set_reputation(rep.accused, out.score, self.reputation.snapshot(rep.accused))
+        self.store.submit(HubStore.set_reputation, rep.accused, out.score, self.reputation.snapshot(rep.accused))
         if out.ban:
             self.ban(rep.accused, out.ban)
         return envelope.seal(self.identity, ErrorReply(code="ok", message="noted"))
@@ -624,7 +631,7 @@ class Hub:
             await self.publish()
             self._refill()
             self._pump()
-            await trio.to_thread.run_sync(self._persist_step, [tid for _, (tid, _) in batch])
+            await self._persist_step([tid for _, (tid, _) in batch])
             self.history[-1]["overhead_s"] = round(time.time() - t1, 4)
             self.write_status()
         log.info("finished %d steps", self.cfg.steps)
@@ -722,11 +729,11 @@ class Hub:
         for p in new - old:
             node = self.nodes.get(p)
             self.ledger.activate(p, now, node.announce.price_usd_per_hour if node else None)
-            self.store.set_node_state(p, "active")
+            self.store.submit(HubStore.set_node_state, p, "active")
         for p in old - new:
             self.ledger.deactivate(p, now)
             if p in self.nodes:
-                self.store.set_node_state(p, "standby")
+                self.store.submit(HubStore.set_node_state, p, "standby")
         if new != old and self.active is not None:
             log.info("activation: %d active, %d standby %s", len(new), len(self.nodes) - len(new), self.last_activation)
         self.active = new
@@ -773,7 +780,7 @@ class Hub:
     def _fleet_changed(self) -> None:
         rep = self.capacity_report()
         log.info("fleet changed (%d nodes):\n%s", len(self.nodes), rep.format())
-        self.store.set_meta("capacity", self._capacity_meta())
+        self.store.submit(HubStore.set_meta, "capacity", self._capacity_meta())
 
     def _capacity_meta(self) -> dict[str, Any]:
         return {
@@ -787,8 +794,10 @@ class Hub:
             ],
         }
 
-    def _persist_step(self, task_ids: list[str]) -> None:
-        """Mark fully trained results, checkpoint every K steps, persist the ledger (worker thread)."""
+    async def _persist_step(self, task_ids: list[str]) -> None:
+        """Mark fully trained results, checkpoint every K steps, persist the ledger. What the
+        loop mutates (ledger, rates, counters) is snapshotted here, on the loop; the writes run in
+        the store's thread. The learner itself is quiet until this returns (only this loop steps it)."""
         done = []
         for tid in task_ids:
             left = self._batch_tasks.get(tid, 1) - 1
@@ -798,17 +807,23 @@ class Hub:
             else:
                 self._batch_tasks[tid] = left
         step = self.learner.version
-        self.store.mark_trained(done, step)
-        if step % max(1, self.cfg.checkpoint_every) == 0 or step >= self.cfg.steps:
-            self._checkpoint()
-            self.store.prune_payloads(step)
         now = time.time()
-        self.store.save_ledger(self.ledger.snapshot(now), now)
-        for peer in list(self.nodes):
-            if peer in self.dispatcher.nodes:
-                self.store.set_measured_rate(peer, self.dispatcher.rate_of(peer))
-        if step % 10 == 0:
-            self.store.set_meta("capacity", self._capacity_meta())
+        ledger_rows = self.ledger.snapshot(now)
+        rates = {p: self.dispatcher.rate_of(p) for p in self.nodes if p in self.dispatcher.nodes}
+        meta = self._capacity_meta() if step % 10 == 0 else None
+        self.store.submit(HubStore.mark_trained, done, step)
+        if step % max(1, self.cfg.checkpoint_every) == 0 or step >= self.cfg.steps:
+            await self._checkpoint()
+            self.store.submit(HubStore.prune_payloads, step)
+
+        def write(st: HubStore) -> None:
+            st.save_ledger(ledger_rows, now)
+            for peer, rate in rates.items():
+                st.set_measured_rate(peer, rate)
+            if meta is not None:
+                st.set_meta("capacity", meta)
+
+        await self.store.call(write)
 
     async def publish(self) -> None:
         sd = self.learner.state_dict_for_publish()
@@ -823,20 +838,22 @@ class Hub:
             now = time.time()
             if tick % 5 == 0:
                 self.activate()
+            # bans and pardons made with the CLI while the hub runs reach the data plane's check
+            self.banned = await self.store.call(HubStore.banned)
             expired = [(tid, t.node_id) for tid, t in self.dispatcher.in_flight.items() if now > t.deadline]
             if self.dispatcher.expire(now):
                 for tid, peer in expired:
                     self.reputation.record(peer, Event.TIMEOUT)
-                    self.store.close_task(tid, "expired", now)
+                    self.store.submit(HubStore.close_task, tid, "expired", now)
                 self._refill()
                 self._pump()
             for peer, node in list(self.nodes.items()):
                 if now - node.last_seen > (self.cfg.node_silence_s or NODE_SILENCE_S):
                     log.warning("node %s silent for %.0fs: dropping it; its tasks are reassigned", peer, now - node.last_seen)
                     for tid in self.dispatcher.on_node_left(peer):
-                        self.store.close_task(tid, "reassigned", now)
+                        self.store.submit(HubStore.close_task, tid, "reassigned", now)
                     self.ledger.deactivate(peer, now)
-                    self.store.set_node_state(peer, "gone")
+                    self.store.submit(HubStore.set_node_state, peer, "gone")
                     self._fleet_changed_pending = True
                     del self.nodes[peer]
                     self._pump()
@@ -942,7 +959,7 @@ class Hub:
                     self.sender.serve_connection,
                     host=self.cfg.listen_host,
                     port=self.cfg.data_port,
-                    allow=lambda pid: pid in self.nodes and self.store.ban_reason(pid) is None,
+                    allow=lambda pid: pid in self.nodes and pid not in self.banned,
                     upload_limiter=UploadLimiter(self.cfg.upload_limit_MBps) if self.cfg.upload_limit_MBps > 0 else None,
                     max_connections=4096,
                     max_connections_per_ip=4096,
@@ -996,6 +1013,8 @@ def run_hub(cfg: HubConfig) -> int:
     except KeyboardInterrupt:
         hub.write_status(final=True)
         return 0
+    finally:
+        hub.store.close()  # runs the writes still queued
 
 
 def _encode_groups(groups: list[Any]) -> bytes:
