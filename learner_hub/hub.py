@@ -15,6 +15,7 @@ import os
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import trio
 
@@ -102,8 +103,7 @@ class Hub:
         self.data_server: DataPlaneServer | None = None
         self.probe_server: DataPlaneServer | None = None
         self.addrs: list[str] = []
-        self.data_addr = ""
-        self.status_url = ""
+        self.data_addr = self.status_url = ""
         self.resumed_from, self.restored_results = self.trainer.resume()
 
     # the fleet's decisions, as tests and the status page read them
@@ -112,7 +112,7 @@ class Hub:
         return self.fleet.active
 
     @property
-    def last_activation(self) -> dict[str, object]:
+    def last_activation(self) -> dict[str, Any]:
         return self.fleet.last_activation
 
     @property
@@ -270,7 +270,7 @@ class Hub:
         await self.trainer.publish()
 
     # --- status ----------------------------------------------------------------------------------
-    def status(self) -> dict[str, object]:
+    def status(self) -> dict[str, Any]:
         return hub_status(self)
 
     async def write_status(self, final: bool = False) -> None:

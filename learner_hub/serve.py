@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 
 import trio
 
+from echo2.fsutil import atomic_write
 from echo2.protocol.net.control import ANNOUNCE_TOPIC, ControlHost, RequestLimits
 from echo2.protocol.net.dataplane import DataPlaneServer
 from echo2.protocol.net.ratelimit import UploadLimiter
@@ -67,7 +68,7 @@ async def serve(hub: Hub) -> int:
             probe = ProbeService(hub.identity, control_host=host, probe_data_addr=f"{cfg.listen_host}:{probe_srv.port}")
             host.set_handler(PROBE, probe.handle_control, max_request=MAX_PROBE_REQUEST)
             hub.addrs = list(host.addrs)
-            (hub.dir / "hub.addrs").write_text("\n".join(hub.addrs) + "\n")
+            atomic_write(hub.dir / "hub.addrs", "\n".join(hub.addrs) + "\n", durable=False)
             print("echo2 hub listening:\n" + "".join(f"  {a}\n" for a in hub.addrs) + f"  data plane {hub.data_addr}", flush=True)
             status = StatusServer(hub.status, lambda: hub_metrics(hub.status()), host="127.0.0.1", port=cfg.status_port)
             await nursery.start(status.serve)
