@@ -10,7 +10,7 @@ in the store's thread, the learner and packing in worker threads.
 
 from __future__ import annotations
 
-import logging
+import gc
 import os
 import time
 from collections.abc import Callable
@@ -56,8 +56,6 @@ from .store import HubStore
 from .storeworker import StoreWorker
 from .training import Trainer, build_learner
 
-log = logging.getLogger(__name__)
-
 NODE_SILENCE_S = 3 * WORK_POLL_S + 15.0
 
 
@@ -81,9 +79,10 @@ class Hub:
         self.gossip_replay = envelope.ReplayGuard(window_s=300.0, max_entries=100_000)
         self._admission_bucket = KeyedRateLimiter(20.0, 50.0)
         self.publisher = PolicyPublisher(self.identity, self.model_config, self.artifacts, cfg)
+        info: Callable[[str], PeerInfo | None] = lambda peer: self.fleet.peer_info(peer)  # noqa: E731 (fleet comes later)
         self.sender = (
-            PipelinedSender(self.publisher, self.identity, hub_upload_MBps=cfg.upload_limit_MBps, node_info=self._peer_info)
-            if cfg.broadcast == "pipelined" else StarWithHolds(StarSender(self.publisher), node_info=self._peer_info)
+            PipelinedSender(self.publisher, self.identity, hub_upload_MBps=cfg.upload_limit_MBps, node_info=info)
+            if cfg.broadcast == "pipelined" else StarWithHolds(StarSender(self.publisher), node_info=info)
         )
         # operator state: DIR/hub.sqlite (through the store's own thread), checkpoints in DIR/checkpoints
         self.store = StoreWorker(self.dir)
@@ -118,9 +117,6 @@ class Hub:
     @property
     def relay_reports_received(self) -> int:
         return self.fleet.relay_reports_received
-
-    def _peer_info(self, peer: str) -> PeerInfo | None:
-        return self.fleet.peer_info(peer)
 
     def _signed_by(self, peer: str, admitted: bool = True) -> Callable[[str, type], bool]:
         def allowed(signer: str, _t: type) -> bool:
@@ -192,9 +188,6 @@ class Hub:
                 self.ledger.refuse(peer, verdict.code)
                 self._pump()
             raise verdict.error
-        node.tasks_done, node.rollouts, node.tokens = node.tasks_done + 1, node.rollouts + n, node.tokens + r.tokens
-        self.ledger.accept(peer, n, r.tokens)
-        self.reputation.record(peer, Event.ACCEPTED)
         payload = encode_groups(verdict.rows)
 
         def record(st: HubStore) -> None:
@@ -202,11 +195,14 @@ class Hub:
                              received_at=now, payload=payload)
             st.close_task(r.task_id, "done", time.time())
 
-        # queued before the rows can be trained (and marked so), durable before the node hears "accepted"
-        pending = self.store.call(record)
+        # store: queued before the rows can be trained (and marked so), durable before the node hears "accepted"
+        pending = self.store.request(record)
+        self.ledger.accept(peer, n, r.tokens)
+        self.reputation.record(peer, Event.ACCEPTED)
+        node.tasks_done, node.rollouts, node.tokens = node.tasks_done + 1, node.rollouts + n, node.tokens + r.tokens
         self.trainer.add(r.task_id, verdict.rows, r.version)
         self.outbox.feed()
-        await pending
+        await pending.wait()
         return envelope.seal(self.identity, ErrorReply(code="ok", message="accepted"))
 
     async def on_decline(self, peer: str, data: bytes) -> bytes:
@@ -287,6 +283,9 @@ class Hub:
 def run_hub(cfg: HubConfig) -> int:
     os.umask(0o077)  # key, database, checkpoints: the operator's only
     hub = Hub(cfg)
+    # Measured: full collections over start-up's objects (torch, the model, libp2p) stalled the loop
+    # ~260 ms in the demo; they live all run long, so the collector need never scan them again.
+    gc.freeze()
     try:
         return trio.run(hub.run)
     except KeyboardInterrupt:

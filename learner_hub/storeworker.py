@@ -8,8 +8,9 @@ opens the store and serves a FIFO queue also orders every write exactly as the l
 Three ways in, none of which blocks the trio loop:
 
 * :meth:`StoreWorker.submit`: fire and forget (log lines, state flags); a failure is logged.
-* ``await`` :meth:`StoreWorker.call`: the loop task waits for the answer (reads, and writes that
-  must be durable before a reply, such as an accepted result).
+* ``await`` :meth:`StoreWorker.call` (or :meth:`StoreWorker.request` now, ``await .wait()``
+  later): the loop task waits for the answer (reads, and writes that must be durable before a
+  reply, such as an accepted result).
 * :meth:`StoreWorker.call_sync`: for code outside the loop (start-up, shutdown, tests). Called on
   the trio thread it raises instead of stalling the loop.
 
@@ -24,7 +25,7 @@ import queue
 import threading
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, Generic, TypeVar
 
 import outcome
 import trio
@@ -37,6 +38,19 @@ T = TypeVar("T")
 
 _Job = Callable[[HubStore], None]
 _STOP = object()
+
+
+class StoreReply(Generic[T]):
+    """The answer to a queued store call, once the worker has run it."""
+
+    def __init__(self) -> None:
+        self.done = trio.Event()
+        self.outcome: outcome.Outcome[T] | None = None
+
+    async def wait(self) -> T:
+        await self.done.wait()
+        assert self.outcome is not None
+        return self.outcome.unwrap()
 
 
 class StoreWorker:
@@ -84,23 +98,25 @@ class StoreWorker:
 
         self._q.put(job)
 
-    async def call(self, fn: Callable[..., T], *args: Any, **kw: Any) -> T:
-        """``fn(store, *args, **kw)`` in the worker; the calling task waits, the loop does not.
-        If the caller is cancelled the call still runs (a queued write is never half-done)."""
+    def request(self, fn: Callable[..., T], *args: Any, **kw: Any) -> StoreReply[T]:
+        """Queue ``fn(store, *args, **kw)`` now (from the trio thread); ``await reply.wait()``
+        later for its answer. If the waiter is cancelled the call still runs."""
+        reply: StoreReply[T] = StoreReply()
         token = trio.lowlevel.current_trio_token()
-        done = trio.Event()
-        box: list[outcome.Outcome[T]] = []
 
         def job(store: HubStore) -> None:
-            box.append(outcome.capture(fn, store, *args, **kw))
+            reply.outcome = outcome.capture(fn, store, *args, **kw)
             try:
-                token.run_sync_soon(done.set)
+                token.run_sync_soon(reply.done.set)
             except trio.RunFinishedError:
                 pass
 
         self._q.put(job)
-        await done.wait()
-        return box[0].unwrap()
+        return reply
+
+    async def call(self, fn: Callable[..., T], *args: Any, **kw: Any) -> T:
+        """``fn(store, *args, **kw)`` in the worker; the calling task waits, the loop does not."""
+        return await self.request(fn, *args, **kw).wait()
 
     def call_sync(self, fn: Callable[..., T], *args: Any, **kw: Any) -> T:
         """``fn(store, *args, **kw)`` in the worker, blocking this (non-trio) thread."""

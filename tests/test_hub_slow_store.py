@@ -4,6 +4,7 @@ real signatures and model; the network layer is skipped and the handlers are cal
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 from pathlib import Path
@@ -101,4 +102,8 @@ def test_slow_sqlite_never_blocks_the_loop(tmp_path: Path) -> None:
     lag = hub.loop_lag.report()
     print(f"heartbeats max {max(heartbeats):.3f}s, results {min(results):.3f}..{max(results):.3f}s, {lag}")
     assert lag["loop_lag_max_ms"] < 1000, lag
+    # status.json (written off the loop by housekeeping and after each step) reports the lag
+    written = json.loads((tmp_path / "status.json").read_text())
+    assert written["final"] and {"loop_lag_p99_ms", "loop_lag_max_ms"} <= set(written)
+    assert set(lag) <= set(hub.status())
     hub.store.close()
