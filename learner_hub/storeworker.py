@@ -14,8 +14,8 @@ Three ways in, none of which blocks the trio loop:
 * :meth:`StoreWorker.call_sync`: for code outside the loop (start-up, shutdown, tests). Called on
   the trio thread it raises instead of stalling the loop.
 
-``worker.store`` attribute access (``worker.ban_reason(peer)``) is ``call_sync`` of that
-``HubStore`` method, so synchronous users read the store as before.
+Attribute access (``worker.ban_reason(peer)``) is ``call_sync`` of that ``HubStore`` method,
+so synchronous users (start-up, tests) read the store as before.
 """
 
 from __future__ import annotations

@@ -98,6 +98,8 @@ def test_slow_sqlite_never_blocks_the_loop(tmp_path: Path) -> None:
     # the store really was slow: each accepted result waited for its own write (3 statements)
     assert min(results) >= 3 * SQL_DELAY_S and admit_s >= SQL_DELAY_S
     assert hub.store.call_sync(HubStore.result_counts).get("accepted", 0) == len(results)
+    # every published version is on record (0 and one per step)
+    assert [v.version for v in hub.store.versions()] == list(range(cfg.steps + 1))
     # and the loop kept ticking: no stall anywhere near one slowed statement per SQL call made
     lag = hub.loop_lag.report()
     print(f"heartbeats max {max(heartbeats):.3f}s, results {min(results):.3f}..{max(results):.3f}s, {lag}")
