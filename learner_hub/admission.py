@@ -166,13 +166,17 @@ class AdmissionPolicy:
     def allowed(self, peer_id: str) -> bool:
         return peer_id in self.allowlist or self._is_allowed(peer_id)
 
-    def decide(self, peer_id: str, join_token: str, now: float) -> Decision:
-        ban = self._ban_reason(peer_id)
+    def decide(
+        self, peer_id: str, join_token: str, now: float, *, looked_up: tuple[str | None, bool] | None = None
+    ) -> Decision:
+        """``looked_up`` is (ban reason, on the stored allowlist) when the caller read them already
+        (the hub reads its store off the event loop); otherwise the callbacks are asked."""
+        ban, store_allowed = looked_up if looked_up is not None else (self._ban_reason(peer_id), None)
         if ban is not None:
             return Decision(False, f"this node is banned: {ban}", "banned")
         if self.mode == "open":
             return Decision(True, "admitted (open admission)", "open")
-        if self.allowed(peer_id):
+        if peer_id in self.allowlist or (store_allowed if store_allowed is not None else self._is_allowed(peer_id)):
             return Decision(True, "admitted (on the allowlist)", "allowlisted")
         if self.mode == "allowlist":
             return Decision(

@@ -35,7 +35,7 @@ from collections import OrderedDict, deque
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
-from typing import Generic, TypeVar
+from typing import Any, Generic, TypeVar
 
 log = logging.getLogger(__name__)
 
@@ -53,6 +53,9 @@ class PromptGroup:
     prompt_id: str
     prompt: tuple[int, ...]
     group_size: int
+    # what the hub scores the completions against (an env's PromptItem); it travels with the
+    # group through requeues, so no side table of prompts is needed
+    item: Any = field(default=None, compare=False, hash=False)
 
     def __post_init__(self) -> None:
         if self.group_size < 1:
@@ -391,11 +394,12 @@ class ReplayBuffer(Generic[T]):
     ["evicted"]``): it is the most stale and the first that would be dropped anyway.
     """
 
-    def __init__(self, staleness: int, max_items: int = 100_000) -> None:
+    def __init__(self, staleness: int, max_items: int = 100_000, on_drop: Callable[[T], None] | None = None) -> None:
         if staleness < 0:
             raise ValueError("staleness must be >= 0")
         self.staleness = staleness
         self.max_items = max_items
+        self.on_drop = on_drop  # told of every item that leaves other than in a batch
         self._heap: list[tuple[int, int, T]] = []
         self._seq = itertools.count()
         self.stats = BufferStats()
@@ -423,7 +427,7 @@ class ReplayBuffer(Generic[T]):
         heapq.heappush(self._heap, (version, next(self._seq), item))
         self.stats.accepted += 1
         if len(self._heap) > self.max_items:
-            heapq.heappop(self._heap)
+            self._dropped(heapq.heappop(self._heap)[2])
             self.stats.refuse("evicted")
         return True
 
@@ -432,6 +436,9 @@ class ReplayBuffer(Generic[T]):
         keep = [e for e in self._heap if not pred(e[2])]
         n = len(self._heap) - len(keep)
         if n:
+            for e in self._heap:
+                if pred(e[2]):
+                    self._dropped(e[2])
             self._heap = keep
             heapq.heapify(self._heap)
             self.stats.refuse("removed", n)
@@ -440,12 +447,16 @@ class ReplayBuffer(Generic[T]):
     def drop_stale(self, learner_step: int) -> int:
         n = 0
         while self._heap and not admissible(self._heap[0][0], learner_step, self.staleness):
-            heapq.heappop(self._heap)
+            self._dropped(heapq.heappop(self._heap)[2])
             n += 1
         if n:
             self.stats.stale_dropped += n
             self.stats.refuse("stale", n)
         return n
+
+    def _dropped(self, item: T) -> None:
+        if self.on_drop is not None:
+            self.on_drop(item)
 
     def take_batch(self, learner_step: int, n_groups: int) -> list[tuple[int, T]] | None:
         """``n_groups`` (version, item) pairs admissible at ``learner_step``, oldest version

@@ -30,6 +30,7 @@ import torch
 from torch import Tensor
 
 from .grpo import group_advantages, grpo_loss
+from .rows import Group, Sample
 
 logger = logging.getLogger(__name__)
 
@@ -37,26 +38,6 @@ logger = logging.getLogger(__name__)
 class _TokenizerLike(Protocol):
     pad_id: int
     eos_id: int
-
-
-@dataclass
-class Sample:
-    """One completion of a prompt as reported by a node, with its hub-computed reward."""
-
-    token_ids: list[int]
-    logprobs: list[float]  # behaviour log-probs, one per token, from the node
-    reward: float
-    version: int  # policy version the node sampled with
-    node_id: str = ""  # who produced it (for per-node verification figures)
-    finish_reason: str = "stop"
-
-
-@dataclass
-class Group:
-    """A prompt and its G completions (the GRPO group)."""
-
-    prompt_ids: list[int]
-    samples: list[Sample]
 
 
 @dataclass
@@ -375,3 +356,6 @@ class Learner:
         self.model.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
         self.version = int(state["version"])
+
+
+__all__ = ["Group", "Learner", "Sample", "StepStats"]

@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import statistics
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -56,6 +57,8 @@ class PolicyPublisher:
         self.load_s: dict[str, float] = {}  # D_i: EWMA of publication -> node holds it, per node
         self.recent: dict[int, Published] = {}  # the last few versions, for late holds reports
         self._first_seen: set[str] = set()
+        #: told of each version's broadcast figures when it leaves ``recent`` (the hub stores them)
+        self.on_closed: Callable[[dict[str, Any]], None] | None = None
 
     @property
     def latest_version(self) -> int:
@@ -115,6 +118,8 @@ class PolicyPublisher:
             }
         )
         del self.history[:-1000]
+        if self.on_closed is not None:
+            self.on_closed(self.history[-1])
 
     def broadcast_metrics(self) -> dict[str, Any]:
         lasts = [h["last_s"] for h in self.history if h["last_s"] is not None]

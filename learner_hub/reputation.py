@@ -6,8 +6,7 @@ invents numbers. Reputation is a score in [0, 1] per node:
 
 * an accepted result moves it up a little (``score += gain * (1 - score)``), so trust is earned
   slowly and is worth more the longer a node behaves;
-* a log-prob mismatch multiplies it by ``mismatch_factor``; a claim of throughput far above the
-  hub-measured rate or a timed-out task by milder factors;
+* a log-prob mismatch multiplies it by ``mismatch_factor``; a timed-out task by a milder factor;
 * forged or invalid data (wrong task hash, another node's name, ids outside the vocabulary,
   non-finite numbers) sets it to 0 and bans at once: honest software never produces it.
 
@@ -20,7 +19,6 @@ from __future__ import annotations
 
 import math
 from collections import deque
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
@@ -31,7 +29,6 @@ class Event(StrEnum):
     CHECK_OK = "check_ok"  # log-probs recomputed and matched
     MISMATCH = "mismatch"  # log-probs recomputed and did not match
     FORGED = "forged"  # provably false data
-    OVERCLAIM = "overclaim"  # announced rate far above the measured one
     TIMEOUT = "timeout"  # an assigned task expired unanswered
     CORRUPT_RELAY = "corrupt_relay"  # a peer reports it relayed a chunk off the signed manifest
 
@@ -41,12 +38,10 @@ class ReputationConfig:
     initial: float = 0.5
     gain: float = 0.02
     mismatch_factor: float = 0.7
-    overclaim_factor: float = 0.9
     timeout_factor: float = 0.95
     window: int = 20
     max_mismatches: int = 3
     ban_below: float = 0.02
-    overclaim_ratio: float = 3.0  # claimed / measured above this is an overclaim
     # A corrupt-relay report is an accusation (the relayed bytes carry no relay signature): each
     # distinct reporter costs the accused this factor, and this many distinct reporters ban it.
     corrupt_relay_factor: float = 0.7
@@ -57,7 +52,7 @@ class ReputationConfig:
             raise ValueError("need 0 <= initial <= 1 and 0 < gain < 1")
         if self.relay_report_quorum < 1:
             raise ValueError("relay_report_quorum must be >= 1")
-        for f in (self.mismatch_factor, self.overclaim_factor, self.timeout_factor, self.corrupt_relay_factor):
+        for f in (self.mismatch_factor, self.timeout_factor, self.corrupt_relay_factor):
             if not 0.0 <= f <= 1.0:
                 raise ValueError("penalty factors must be in [0, 1]")
         if self.window < 1 or not 1 <= self.max_mismatches <= self.window:
@@ -138,8 +133,6 @@ class ReputationBook:
             r.forged += 1
             r.score = 0.0
             ban = "forged or invalid result" + (f": {detail}" if detail else "")
-        elif event is Event.OVERCLAIM:
-            r.score *= c.overclaim_factor
         elif event is Event.TIMEOUT:
             r.score *= c.timeout_factor
         elif event is Event.CORRUPT_RELAY:
@@ -195,24 +188,3 @@ class ReputationBook:
         if isinstance(reporters, list):
             r.relay_reporters = {x for x in reporters[:1000] if isinstance(x, str)}
         self._nodes[peer_id] = r
-
-
-def check_logprobs(reported: Sequence[float], recomputed: Sequence[float], tol: float) -> tuple[bool, float]:
-    """Do a node's reported log-probs match the learner's recompute within ``tol`` (absolute)?
-    Returns (ok, max |difference|); different lengths or non-finite values never match."""
-    if len(reported) != len(recomputed):
-        return False, math.inf
-    worst = 0.0
-    for a, b in zip(reported, recomputed, strict=True):
-        d = abs(float(a) - float(b))
-        if not math.isfinite(d):
-            return False, math.inf
-        worst = max(worst, d)
-    return worst <= tol, worst
-
-
-def overclaims(claimed_rate: float, measured_rate: float | None, ratio: float = 3.0, min_rate: float = 1e-9) -> bool:
-    """Is a node's announced rate more than ``ratio`` times what the hub measured?"""
-    if measured_rate is None or not math.isfinite(claimed_rate):
-        return False
-    return claimed_rate > ratio * max(measured_rate, min_rate)

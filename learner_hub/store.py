@@ -7,8 +7,9 @@ learner has not trained on yet, so no paid-for rollout is lost. The database is 
 ordered :data:`MIGRATIONS` list; ``schema_version`` records how far a file has been migrated.
 
 Every public method is one short transaction and returns plain values; callers never write SQL.
-The calls block (fsync), so the trio hub calls them through ``trio.to_thread.run_sync``; a lock
-makes the connection safe to use from those worker threads.
+The calls block (fsync), so the running hub makes every one of them from the single thread of its
+:class:`~echo2.learner_hub.storeworker.StoreWorker`; the lock keeps other users (the CLI, tests)
+safe when they share a store between threads.
 
 Exactly-once training across restarts: an accepted result's payload is kept until a checkpoint
 covers the step that trained it. ``mark_trained(task_ids, step)`` records the step;
@@ -27,186 +28,30 @@ import threading
 import time
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from echo2.fsutil import TMP_PREFIX, atomic_write_with
+
 from .ledger import AccountRow, NodeRow, hardware_summary, ledger_csv, render_ledger, render_nodes, totals_of
+from .schema import (
+    MIGRATIONS,
+    NODE_COLS,
+    AdmissionRecord,
+    NodeRecord,
+    PendingResult,
+    StoreError,
+    TaskRecord,
+    VersionRecord,
+    migrate,
+    node_record,
+)
 
 log = logging.getLogger(__name__)
 
 DB_NAME = "hub.sqlite"
 CHECKPOINT_DIR = "checkpoints"
 _CKPT_RE = re.compile(r"^step-(\d+)\.pt$")
-
-# Append only: a released migration is never edited; a schema change is a new entry.
-MIGRATIONS: list[str] = [
-    # 1: initial schema
-    """
-    CREATE TABLE nodes (
-        peer_id TEXT PRIMARY KEY,
-        first_seen REAL NOT NULL,
-        last_seen REAL NOT NULL,
-        announce TEXT,
-        price REAL NOT NULL DEFAULT 0,
-        measured_rate REAL,
-        reputation REAL NOT NULL DEFAULT 0.5,
-        state TEXT NOT NULL DEFAULT 'new',
-        banned INTEGER NOT NULL DEFAULT 0,
-        ban_reason TEXT NOT NULL DEFAULT ''
-    );
-    CREATE TABLE admissions (
-        id INTEGER PRIMARY KEY AUTOINCREMENT,
-        peer_id TEXT NOT NULL,
-        at REAL NOT NULL,
-        admitted INTEGER NOT NULL,
-        code TEXT NOT NULL,
-        reason TEXT NOT NULL
-    );
-    CREATE INDEX admissions_peer ON admissions(peer_id);
-    CREATE TABLE allowlist (
-        peer_id TEXT PRIMARY KEY,
-        added_at REAL NOT NULL,
-        note TEXT NOT NULL DEFAULT ''
-    );
-    CREATE TABLE tasks (
-        task_id TEXT PRIMARY KEY,
-        node TEXT NOT NULL,
-        issued_at REAL NOT NULL,
-        deadline REAL NOT NULL,
-        n_rollouts INTEGER NOT NULL,
-        status TEXT NOT NULL DEFAULT 'issued',
-        closed_at REAL
-    );
-    CREATE INDEX tasks_status ON tasks(status);
-    CREATE TABLE results (
-        id INTEGER PRIMARY KEY AUTOINCREMENT,
-        task_id TEXT NOT NULL,
-        node TEXT NOT NULL,
-        version INTEGER NOT NULL,
-        accepted INTEGER NOT NULL,
-        reason TEXT NOT NULL,
-        tokens INTEGER NOT NULL,
-        rollouts INTEGER NOT NULL,
-        received_at REAL NOT NULL,
-        payload BLOB,
-        trained_step INTEGER
-    );
-    CREATE INDEX results_task ON results(task_id);
-    CREATE INDEX results_pending ON results(accepted, trained_step);
-    CREATE TABLE versions (
-        version INTEGER PRIMARY KEY,
-        published_at REAL NOT NULL,
-        total_bytes INTEGER NOT NULL,
-        encoded_bytes INTEGER NOT NULL,
-        first_s REAL,
-        median_s REAL,
-        last_s REAL,
-        nodes INTEGER NOT NULL DEFAULT 0
-    );
-    CREATE TABLE ledger (
-        peer_id TEXT PRIMARY KEY,
-        price REAL NOT NULL,
-        active_s REAL NOT NULL,
-        cost_usd REAL NOT NULL,
-        accepted_results INTEGER NOT NULL,
-        accepted_rollouts INTEGER NOT NULL,
-        accepted_tokens INTEGER NOT NULL,
-        refused_by_reason TEXT NOT NULL,
-        saved_at REAL NOT NULL
-    );
-    CREATE TABLE checkpoints (
-        step INTEGER PRIMARY KEY,
-        path TEXT NOT NULL,
-        created REAL NOT NULL,
-        bytes INTEGER NOT NULL
-    );
-    """,
-    # 2: reputation state (window of recent checks) survives restarts; small key-value table
-    """
-    ALTER TABLE nodes ADD COLUMN rep_state TEXT NOT NULL DEFAULT '{}';
-    CREATE TABLE meta (
-        key TEXT PRIMARY KEY,
-        value TEXT NOT NULL
-    );
-    """,
-    # 3: peers' reports of corrupt relayed chunks (one row per reporter, accused and chunk)
-    """
-    CREATE TABLE relay_reports (
-        accused TEXT NOT NULL,
-        reporter TEXT NOT NULL,
-        version INTEGER NOT NULL,
-        chunk_index INTEGER NOT NULL,
-        at REAL NOT NULL,
-        PRIMARY KEY (accused, reporter, version, chunk_index)
-    );
-    """,
-]
-
-
-class StoreError(RuntimeError):
-    """The hub database cannot be used (newer schema, corrupt file)."""
-
-
-@dataclass(frozen=True)
-class NodeRecord:
-    peer_id: str
-    first_seen: float
-    last_seen: float
-    announce: dict[str, Any] | None
-    price: float
-    measured_rate: float | None
-    reputation: float
-    state: str
-    banned: bool
-    ban_reason: str
-    rep_state: dict[str, Any]
-
-
-@dataclass(frozen=True)
-class AdmissionRecord:
-    peer_id: str
-    at: float
-    admitted: bool
-    code: str
-    reason: str
-
-
-@dataclass(frozen=True)
-class TaskRecord:
-    task_id: str
-    node: str
-    issued_at: float
-    deadline: float
-    n_rollouts: int
-    status: str
-    closed_at: float | None
-
-
-@dataclass(frozen=True)
-class PendingResult:
-    """An accepted result whose rollouts are not yet covered by a checkpoint."""
-
-    task_id: str
-    node: str
-    version: int
-    tokens: int
-    rollouts: int
-    received_at: float
-    payload: bytes
-
-
-@dataclass(frozen=True)
-class VersionRecord:
-    version: int
-    published_at: float
-    total_bytes: int
-    encoded_bytes: int
-    first_s: float | None
-    median_s: float | None
-    last_s: float | None
-    nodes: int
-
 
 class HubStore:
     """SQLite-backed hub state. ``path`` is the database file (conventionally DIR/hub.sqlite);
@@ -218,6 +63,7 @@ class HubStore:
         *,
         checkpoint_dir: str | os.PathLike[str] | None = None,
         keep_checkpoints: int = 3,
+        check_same_thread: bool = False,
     ) -> None:
         if keep_checkpoints < 1:
             raise ValueError("keep_checkpoints must be >= 1")
@@ -227,7 +73,11 @@ class HubStore:
         self.keep_checkpoints = keep_checkpoints
         self._lock = threading.Lock()
         # isolation_level=None: we issue BEGIN/COMMIT ourselves so each method is one transaction.
-        self._db = sqlite3.connect(str(self.path), isolation_level=None, check_same_thread=False, timeout=10.0)
+        # check_same_thread: the hub's store worker opens the store in its own thread and passes
+        # True, so a stray call from any other thread fails loudly instead of blocking the loop.
+        self._db = sqlite3.connect(
+            str(self.path), isolation_level=None, check_same_thread=check_same_thread, timeout=10.0
+        )
         try:
             self._db.execute("PRAGMA journal_mode=WAL")
             self._db.execute("PRAGMA synchronous=NORMAL")
@@ -269,19 +119,7 @@ class HubStore:
 
     def _migrate(self) -> None:
         with self._tx() as db:
-            db.execute("CREATE TABLE IF NOT EXISTS schema_version (version INTEGER NOT NULL)")
-            row = db.execute("SELECT MAX(version) FROM schema_version").fetchone()
-            current = int(row[0]) if row and row[0] is not None else 0
-            if current > len(MIGRATIONS):
-                raise StoreError(
-                    f"{self.path} has schema version {current}, newer than this echo2 ({len(MIGRATIONS)}); upgrade echo2"
-                )
-            for i in range(current, len(MIGRATIONS)):
-                # executescript would COMMIT our transaction; run the statements one by one.
-                for stmt in _statements(MIGRATIONS[i]):
-                    db.execute(stmt)
-                db.execute("INSERT INTO schema_version (version) VALUES (?)", (i + 1,))
-                log.info("hub database %s migrated to schema version %d", self.path, i + 1)
+            migrate(db, self.path)
 
     def schema_version(self) -> int:
         row = self._read("SELECT MAX(version) FROM schema_version")
@@ -329,11 +167,11 @@ class HubStore:
             )
 
     def get_node(self, peer_id: str) -> NodeRecord | None:
-        rows = self._read(f"SELECT {_NODE_COLS} FROM nodes WHERE peer_id = ?", (peer_id,))
-        return _node(rows[0]) if rows else None
+        rows = self._read(f"SELECT {NODE_COLS} FROM nodes WHERE peer_id = ?", (peer_id,))
+        return node_record(rows[0]) if rows else None
 
     def list_nodes(self) -> list[NodeRecord]:
-        return [_node(r) for r in self._read(f"SELECT {_NODE_COLS} FROM nodes ORDER BY first_seen, peer_id")]
+        return [node_record(r) for r in self._read(f"SELECT {NODE_COLS} FROM nodes ORDER BY first_seen, peer_id")]
 
     # --- bans ------------------------------------------------------------------------------------
     def ban(self, peer_id: str, reason: str, now: float) -> None:
@@ -592,27 +430,31 @@ class HubStore:
     # --- checkpoints ---------------------------------------------------------------------------------
     def save_checkpoint(self, step: int, state: dict[str, Any]) -> Path:
         """``torch.save`` ``state`` to checkpoints/step-N.pt atomically; keep the newest K."""
+        final, size = self.write_checkpoint_file(self.checkpoint_dir, step, state)
+        self.record_checkpoint(step, final, size)
+        return final
+
+    @staticmethod
+    def write_checkpoint_file(checkpoint_dir: Path, step: int, state: dict[str, Any]) -> tuple[Path, int]:
+        """The file half of :meth:`save_checkpoint` (no database): the hub runs it in its own
+        thread so a large model's write does not hold up the store's queue."""
         import torch
 
         if step < 0:
             raise ValueError("step must be >= 0")
-        self.checkpoint_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
-        final = self.checkpoint_dir / f"step-{step}.pt"
-        tmp = self.checkpoint_dir / f".step-{step}.pt.tmp"
-        with open(tmp, "wb") as f:
-            torch.save(state, f)
-            f.flush()
-            os.fsync(f.fileno())
-        size = tmp.stat().st_size
-        os.replace(tmp, final)
-        _fsync_dir(self.checkpoint_dir)
+        checkpoint_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+        final = checkpoint_dir / f"step-{step}.pt"
+        atomic_write_with(final, lambda f: torch.save(state, f))
+        return final, final.stat().st_size
+
+    def record_checkpoint(self, step: int, final: Path, size: int) -> None:
+        """The database half of :meth:`save_checkpoint`: list the file, prune old ones."""
         with self._tx() as db:
             db.execute(
                 "INSERT OR REPLACE INTO checkpoints (step, path, created, bytes) VALUES (?, ?, ?, ?)",
                 (step, final.name, time.time(), size),
             )
         self._prune_checkpoints()
-        return final
 
     def _checkpoint_files(self) -> list[tuple[int, Path]]:
         # The directory, not the table, is the truth: a crash between os.replace and the INSERT
@@ -631,8 +473,10 @@ class HubStore:
         old = files[: -self.keep_checkpoints]
         for _step, p in old:
             p.unlink(missing_ok=True)
-        for p in self.checkpoint_dir.glob(".step-*.pt.tmp"):
-            p.unlink(missing_ok=True)  # leftovers of a crash mid-write
+        # leftovers of a crash mid-write (fsutil's temporary names, and those of older echo2)
+        for pattern in (f"{TMP_PREFIX}step-*.pt.*", ".step-*.pt.tmp"):
+            for p in self.checkpoint_dir.glob(pattern):
+                p.unlink(missing_ok=True)
         if old:
             with self._tx() as db:
                 db.executemany("DELETE FROM checkpoints WHERE step = ?", [(s,) for s, _ in old])
@@ -679,40 +523,7 @@ class HubStore:
         return ledger_csv(rows, totals_of(rows)) if as_csv else render_ledger(rows, totals_of(rows))
 
 
-_NODE_COLS = (
-    "peer_id, first_seen, last_seen, announce, price, measured_rate, reputation, state, banned, ban_reason, rep_state"
-)
-
-
-def _node(r: tuple[Any, ...]) -> NodeRecord:
-    return NodeRecord(
-        peer_id=r[0],
-        first_seen=r[1],
-        last_seen=r[2],
-        announce=json.loads(r[3]) if r[3] else None,
-        price=r[4],
-        measured_rate=r[5],
-        reputation=r[6],
-        state=r[7],
-        banned=bool(r[8]),
-        ban_reason=r[9],
-        rep_state=json.loads(r[10]) if r[10] else {},
-    )
-
-
-def _statements(script: str) -> list[str]:
-    # Migrations hold no string literals containing ';', so a plain split is exact.
-    return [s.strip() for s in script.split(";") if s.strip()]
-
-
-def _fsync_dir(d: Path) -> None:
-    try:
-        fd = os.open(d, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
+__all__ = [
+    "MIGRATIONS", "AdmissionRecord", "HubStore", "NodeRecord", "PendingResult", "StoreError", "TaskRecord",
+    "VersionRecord",
+]

@@ -1,0 +1,319 @@
+"""The fleet: who is admitted, how far each node is trusted, who works (cost-aware activation)
+and what the fleet can do (the capacity report). The hub's handlers call in here; bans reach
+back to intake and training through ``on_ban``.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import Counter, deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import trio
+
+from echo2.protocol.errors import MeaningError
+from echo2.protocol.messages import Announce, RelayReport
+
+from .activation import NodeOffer, reselect
+from .admission import AdmissionPolicy
+from .broadcast import UNLIMITED_BPS, PeerInfo
+from .capacity import CapacityReport, NodeCapacity, capacity_report
+from .config import HubConfig
+from .dispatch import Dispatcher
+from .ledger import Ledger
+from .publisher import PolicyPublisher
+from .reputation import Event, ReputationBook, ReputationConfig
+from .store import HubStore
+from .storeworker import StoreWorker
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class NodeInfo:
+    peer_id: str
+    announce: Announce
+    admitted_at: float
+    last_seen: float
+    held_version: int = -1
+    mailbox: deque[bytes] = field(default_factory=deque)
+    wakeup: trio.Event = field(default_factory=trio.Event)
+    tasks_done: int = 0
+    rollouts: int = 0
+    tokens: int = 0
+    refused: int = 0
+
+
+class TrainingFigures(Protocol):
+    """What activation and the capacity model read of the training room."""
+
+    history: list[dict[str, Any]]
+
+    def t_train(self) -> float: ...
+
+    def step_overhead(self) -> float: ...
+
+
+class Fleet:
+    def __init__(
+        self,
+        cfg: HubConfig,
+        hub_peer_id: str,
+        store: StoreWorker,
+        ledger: Ledger,
+        dispatcher: Dispatcher,
+        sender: Any,
+        publisher: PolicyPublisher,
+        figures: TrainingFigures,
+    ) -> None:
+        self.cfg = cfg
+        self.publisher = publisher
+        self.figures = figures
+        self.store = store
+        self.ledger = ledger
+        self.dispatcher = dispatcher
+        self.sender = sender
+        self.nodes: dict[str, NodeInfo] = {}
+        self.refusals: Counter[str] = Counter()
+        self.active: set[str] | None = None  # None: no activation decision yet, everyone works
+        self._active_paid: set[str] = set()
+        self.last_activation: dict[str, Any] = {}
+        self.changed = False  # a node joined or left since the capacity report was last logged
+        self.relay_reports_received = 0
+        self.on_ban: Callable[[str], None] = lambda _peer: None
+        self.reputation = ReputationBook(ReputationConfig(relay_report_quorum=cfg.relay_report_quorum))
+        for rec in store.list_nodes():
+            if rec.rep_state:
+                self.reputation.restore(rec.peer_id, rec.rep_state)
+                if self.reputation.get(rec.peer_id).relay_reporters:
+                    sender.distrust(rec.peer_id, "reported relaying corrupt chunks before a restart")
+        self.banned: dict[str, str] = store.banned()  # the data plane's check; refreshed each second
+        self.admission = AdmissionPolicy(cfg.admission, cfg.allowlist, hub_peer_id=hub_peer_id)
+
+    # --- admission -------------------------------------------------------------------------------
+    async def admit(self, peer: str, join_token: str, announce: Announce, now: float) -> tuple[bool, str]:
+        looked_up = await self.store.call(lambda st: (st.ban_reason(peer), st.is_allowed(peer)))
+        d = self.admission.decide(peer, join_token, now, looked_up=looked_up)
+        self.store.submit(HubStore.log_admission, peer, now, d.admitted, d.code, d.reason)
+        if not d.admitted:
+            self.refusals[f"admission_{d.code}"] += 1
+            log.warning("refused admission of %s: %s", peer, d.reason)
+            return False, d.reason
+        node = self.nodes.get(peer)
+        if node is None:
+            self.nodes[peer] = NodeInfo(peer, announce, now, now)
+            log.info("admitted node %s (%s, price %.3f $/h)", peer, announce.cpu_model or "?", announce.price_usd_per_hour)
+            self.changed = True
+        else:
+            node.announce, node.last_seen = announce, now
+        self.store.submit(
+            HubStore.upsert_node, peer, now, announce=announce.to_wire(), price=announce.price_usd_per_hour, state="standby"
+        )
+        self.dispatcher.add_node(peer, rate=max(announce.rollouts_per_s, 1.0))
+        self.dispatcher.seed_rate(peer, announce.rollouts_per_s)
+        self.activate()
+        return True, d.reason
+
+    def announced(self, peer: str, announce: Announce) -> None:
+        node = self.nodes.get(peer)
+        if node is not None and announce.peer_id == peer:
+            if announce.price_usd_per_hour != node.announce.price_usd_per_hour:
+                self.ledger.set_price(peer, announce.price_usd_per_hour, time.time())
+            node.announce = announce
+            self.dispatcher.seed_rate(peer, announce.rollouts_per_s)
+
+    def peer_info(self, peer: str) -> PeerInfo | None:
+        """Planning input from the node's signed Announce (its hello is only a fallback)."""
+        node = self.nodes.get(peer)
+        if node is None or not node.announce.data_addr:
+            return None
+        a = node.announce
+        up = (a.max_upload_MBps or a.upload_MBps) * 1e6
+        return PeerInfo(a.data_addr, up or UNLIMITED_BPS, a.reachable)
+
+    def drop_silent(self, now: float, silence_s: float) -> list[str]:
+        """Nodes not heard from for ``silence_s``: forgotten (the caller reassigns their tasks)."""
+        gone = [p for p, n in self.nodes.items() if now - n.last_seen > silence_s]
+        for peer in gone:
+            log.warning("node %s silent for %.0fs: dropping it; its tasks are reassigned", peer, now - self.nodes[peer].last_seen)
+            self.ledger.deactivate(peer, now)
+            self.store.submit(HubStore.set_node_state, peer, "gone")
+            self.changed = True
+            del self.nodes[peer]
+        return gone
+
+    # --- reputation ------------------------------------------------------------------------------
+    def punish(self, peer: str, event: Event, detail: str, reporter: str | None = None) -> None:
+        node = self.nodes.get(peer)
+        if node is not None and reporter is None:
+            node.refused += 1
+        out = self.reputation.record(peer, event, detail, reporter=reporter)
+        self.store.submit(HubStore.set_reputation, peer, out.score, self.reputation.snapshot(peer))
+        if out.ban:
+            self.ban(peer, out.ban)
+
+    def ban(self, peer: str, reason: str) -> None:
+        log.warning("banning node %s: %s", peer, reason)
+        now = time.time()
+        self.store.submit(HubStore.ban, peer, reason, now)
+        self.banned[peer] = reason
+        self.refusals["banned"] += 1
+        self.ledger.deactivate(peer, now)
+        self.nodes.pop(peer, None)
+        self.on_ban(peer)
+
+    def checked(self, diffs: dict[str, float]) -> None:
+        """Each node's worst log-prob difference in a step's verification."""
+        for peer, diff in diffs.items():
+            if not peer or peer not in self.nodes:
+                continue
+            if diff > self.cfg.logprob_tolerance:
+                self.punish(peer, Event.MISMATCH, f"max |Δlogprob| {diff:.3g} > {self.cfg.logprob_tolerance:g}")
+            else:
+                self.reputation.record(peer, Event.CHECK_OK)
+
+    def relay_report(self, peer: str, rep: RelayReport) -> str:
+        """A node says a peer relayed it a chunk off the signed manifest. What the hub can check,
+        it checks (the version is one it published and still knows, the expected hash is that
+        chunk's ``enc_hash``, the received one differs); the rest is an accusation: the accused
+        stops relaying at once, and is banned when ``relay_report_quorum`` distinct peers
+        report it (a single liar can thus demote a relay to a leaf, never ban it). Returns the
+        reply's message; raises MeaningError for a report that contradicts what the hub knows."""
+        if rep.peer_id != peer:
+            raise MeaningError("relay report names another reporter")
+        if rep.accused == peer:
+            raise MeaningError("a node cannot report itself")
+        pub = self.publisher.recent.get(rep.version)
+        if pub is None:
+            # Too old (or never published): nothing to check it against; not held against anyone.
+            return "version no longer known; ignored"
+        chunks = pub.packed.manifest.chunks
+        if rep.index >= len(chunks) or chunks[rep.index].enc_hash != rep.expected_hash:
+            raise MeaningError(f"chunk {rep.index} of v{rep.version} does not have the expected hash reported")
+        if rep.got_hash == rep.expected_hash:
+            raise MeaningError("the reported chunk matches the manifest")
+        if rep.accused not in self.nodes:
+            # Only admitted nodes relay; a made-up or departed name costs nothing to keep out.
+            return "accused is not an admitted node; ignored"
+        if not self.sender.was_parent(rep.version, peer, rep.index, rep.accused):
+            # A node can only accuse the parent the hub's own plan gave it for that chunk, so a
+            # liar cannot pick its victims (it may still pull from other peers; those chunks are
+            # verified all the same, but reports about them are not evidence the hub can place).
+            return "accused was not its parent for that chunk; ignored"
+        new_reporter = peer not in self.reputation.get(rep.accused).relay_reporters
+        self.relay_reports_received += 1
+        self.store.submit(HubStore.record_relay_report, rep.accused, peer, rep.version, rep.index, time.time())
+        if not new_reporter:
+            return "noted (already reported by this peer)"
+        log.warning("relay report: %s relayed a corrupt chunk %d of v%d to %s", rep.accused, rep.index, rep.version, peer)
+        self.sender.distrust(rep.accused, f"corrupt chunk {rep.index} of v{rep.version} reported by {peer}")
+        self.punish(rep.accused, Event.CORRUPT_RELAY, f"chunk {rep.index} of v{rep.version}, reported by {peer}", reporter=peer)
+        return "noted"
+
+    # --- cost-aware activation (BRIEF §6) ----------------------------------------------------------
+    def activate(self, t_train: float | None = None, trained: bool | None = None) -> None:
+        """Pick the nodes that get tasks: every free node, plus the cheapest cover of the rest of
+        R* = margin·B/T_train among paid ones (hub-measured rates, announced prices), keeping the
+        current paid set unless the new optimum is clearly cheaper (hysteresis)."""
+        t_train = self.t_train() if t_train is None else t_train
+        trained = self.trained() if trained is None else trained
+        if self.cfg.activation == "all" or not trained or not self.nodes:
+            new = set(self.nodes)
+        else:
+            need = self.cfg.activation_margin * self.cfg.prompts_per_step * self.cfg.group_size / max(t_train, 1e-6)
+            offers = [
+                NodeOffer(p, float(n.announce.price_usd_per_hour), self.dispatcher.rate_of(p))
+                for p, n in self.nodes.items()
+                if p in self.dispatcher.nodes
+            ]
+            free = {o.node_id for o in offers if o.price == 0}
+            rest = need - sum(o.rate for o in offers if o.node_id in free)
+            paid = [o for o in offers if o.price > 0]
+            chosen: set[str] = set()
+            if rest > 0 and paid:
+                act = reselect(self._active_paid, paid, rest, min_gain=0.05)
+                chosen = set(act.selected)
+                self.last_activation = {
+                    "required_rate": need, "method": act.method, "cost_usd_per_hour": act.cost,
+                    "shortfall": act.shortfall, "ms": round(act.elapsed_ms, 3),
+                }
+            self._active_paid = chosen
+            new = free | chosen
+        now = time.time()
+        old = self.active if self.active is not None else set()
+        for p in new - old:
+            node = self.nodes.get(p)
+            self.ledger.activate(p, now, node.announce.price_usd_per_hour if node else None)
+            self.store.submit(HubStore.set_node_state, p, "active")
+        for p in old - new:
+            self.ledger.deactivate(p, now)
+            if p in self.nodes:
+                self.store.submit(HubStore.set_node_state, p, "standby")
+        if new != old and self.active is not None:
+            log.info("activation: %d active, %d standby %s", len(new), len(self.nodes) - len(new), self.last_activation)
+        self.active = new
+
+    def t_train(self) -> float:
+        return self.figures.t_train()
+
+    def trained(self) -> bool:
+        return bool(self.figures.history)
+
+    # --- capacity model (BRIEF §5) ----------------------------------------------------------------
+    def capacity(self) -> list[NodeCapacity]:
+        """Per node D_i (receive + load a version), G_i (one task) and r_i, all hub-measured."""
+        out = []
+        per_node = max(1, self.cfg.prompts_per_step // max(1, len(self.nodes)))
+        for peer in self.nodes:
+            rate = self.dispatcher.rate_of(peer) if peer in self.dispatcher.nodes else 0.0
+            g = (self.cfg.group_size * per_node) / rate if rate > 0 else 0.0
+            out.append(NodeCapacity(peer, load_s=self.publisher.load_s.get(peer, 0.0), task_s=g, rate=rate))
+        return out
+
+    def capacity_report(self, staleness: int | None = None) -> CapacityReport:
+        b = self.cfg.prompts_per_step * self.cfg.group_size
+        s = self.cfg.staleness if staleness is None else staleness
+        return capacity_report(b, self.t_train() or 1e-3, s, self.capacity(), overhead_s=self.figures.step_overhead())
+
+    def predicted_busy_fraction(self) -> float:
+        """The capacity model's learner utilization for the measured fleet (BRIEF §5)."""
+        if not self.trained() or not self.nodes:
+            return 0.0
+        try:
+            return float(self.capacity_report().predicted_utilization)
+        except ValueError:
+            return 0.0
+
+    def capacity_meta(self) -> dict[str, Any]:
+        return {
+            "batch": self.cfg.prompts_per_step * self.cfg.group_size,
+            "t_train": self.t_train(),
+            "overhead_s": self.figures.step_overhead(),
+            "staleness": self.cfg.staleness,
+            "nodes": [{"node_id": n.node_id, "load_s": n.load_s, "task_s": n.task_s, "rate": n.rate} for n in self.capacity()],
+        }
+
+    def log_if_changed(self) -> None:
+        if self.changed and self.trained():
+            self.changed = False
+            log.info("fleet changed (%d nodes):\n%s", len(self.nodes), self.capacity_report().format())
+            self.store.submit(HubStore.set_meta, "capacity", self.capacity_meta())
+
+    def persist_job(self, step: int) -> Callable[[HubStore], None]:
+        """Snapshot (on the loop) what a trained step persists of the fleet; the job writes it."""
+        now = time.time()
+        ledger_rows = self.ledger.snapshot(now)
+        rates = {p: self.dispatcher.rate_of(p) for p in self.nodes if p in self.dispatcher.nodes}
+        meta = self.capacity_meta() if step % 10 == 0 else None
+
+        def write(st: HubStore) -> None:
+            st.save_ledger(ledger_rows, now)
+            for peer, rate in rates.items():
+                st.set_measured_rate(peer, rate)
+            if meta is not None:
+                st.set_meta("capacity", meta)
+
+        return write

@@ -1,0 +1,240 @@
+"""Intake: a verified Result in, a verdict out. Pure: no I/O, no trio, no SQLite, no clock.
+
+The hub opens the envelope (signature, replay, signer admitted) and hands the Result here. Intake
+checks it against the task it answers and decides one of three things:
+
+* :class:`Accept`: rows (one :class:`~echo2.learner_hub.rows.Group` per prompt, rewards computed
+  by the hub's environment) for the store, the ledger and then training;
+* :class:`Refuse`: a well-formed result the hub cannot use (stale, duplicate, reassigned, ...),
+  with the dispatcher's reason code; the node is not blamed;
+* :class:`Punish`: a result that cannot be honest (another node's task, a task hash that does not
+  match, completions the task could not have produced); the node's reputation pays.
+
+Intake also issues tasks (it must remember what it asked for to judge the answer), and owns the
+:class:`TaskBook`, the one record of task state outside the dispatcher's scheduling view.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Any
+
+from echo2.protocol.errors import Echo2Error, MeaningError, SignerNotAllowed
+from echo2.protocol.messages import Result, Task, task_hash
+
+from .dispatch import Dispatcher, PromptGroup, TaskAssignment
+from .rows import Group, Sample
+
+
+@dataclass
+class TaskEntry:
+    """What the hub must remember about one task until it is fully done with it."""
+
+    node_id: str
+    task_hash: bytes
+    buffered: int = 0  # groups of its accepted result still waiting to be trained (0: in flight)
+    accepted: bool = False
+
+
+class TaskBook:
+    """Every task the hub still has to think about, one entry each: in flight (its hash judges
+    the answer) or accepted with groups still waiting to be trained (their step marks the result
+    trained in the store). An entry goes when the task closes unaccepted or when its last group
+    is trained or dropped, so the book holds at most the tasks in flight plus those in the buffer."""
+
+    def __init__(self) -> None:
+        self._tasks: dict[str, TaskEntry] = {}
+
+    def __len__(self) -> int:
+        return len(self._tasks)
+
+    def __contains__(self, task_id: object) -> bool:
+        return task_id in self._tasks
+
+    def open(self, task_id: str, node_id: str, thash: bytes) -> None:
+        self._tasks[task_id] = TaskEntry(node_id, thash)
+
+    def get(self, task_id: str) -> TaskEntry | None:
+        return self._tasks.get(task_id)
+
+    def close(self, task_id: str) -> None:
+        """The task closed without an accepted result (expired, declined, refused, node left)."""
+        e = self._tasks.get(task_id)
+        if e is not None and not e.accepted:
+            del self._tasks[task_id]
+
+    def accept(self, task_id: str) -> None:
+        """Its result was accepted: the entry stays until its rows are buffered and trained."""
+        e = self._tasks.get(task_id)
+        if e is not None:
+            e.accepted = True
+
+    def buffered(self, task_id: str, n: int) -> None:
+        """``n`` groups of the task's accepted result went into the buffer (a restored result
+        has no entry yet); with none buffered there is nothing left to wait for."""
+        e = self._tasks.setdefault(task_id, TaskEntry("", b""))
+        e.accepted, e.buffered = True, e.buffered + n
+        if e.buffered <= 0:
+            del self._tasks[task_id]
+
+    def group_gone(self, task_id: str) -> bool:
+        """One group of the task left the buffer (trained or dropped); True when it was the last."""
+        e = self._tasks.get(task_id)
+        if e is None:
+            return True
+        e.buffered -= 1
+        if e.buffered > 0:
+            return False
+        del self._tasks[task_id]
+        return True
+
+
+@dataclass(frozen=True)
+class Accept:
+    task: TaskAssignment
+    rows: list[Group]
+    late: bool
+
+
+@dataclass(frozen=True)
+class Refuse:
+    code: str
+
+    @property
+    def error(self) -> MeaningError:
+        return MeaningError(f"result refused: {self.code}")
+
+
+@dataclass(frozen=True)
+class Punish:
+    error: Echo2Error
+
+
+Verdict = Accept | Refuse | Punish
+
+
+@dataclass(frozen=True)
+class TaskParams:
+    """What every task asks of a node, besides its prompts (from the hub's config)."""
+
+    group_size: int
+    max_new_tokens: int
+    temperature: float
+    top_p: float
+
+
+class Intake:
+    """Issues tasks, judges results. ``decode(ids)`` and ``reward(item, text, finish_reason)`` are
+    the tokenizer's and the environment's (pure functions); ``stop_ids`` end a completion's text."""
+
+    def __init__(
+        self,
+        dispatcher: Dispatcher,
+        params: TaskParams,
+        *,
+        vocab_size: int,
+        stop_ids: Iterable[int],
+        decode: Callable[[list[int]], str],
+        reward: Callable[[Any, str, str], float],
+    ) -> None:
+        self.dispatcher = dispatcher
+        self.params = params
+        self.book = TaskBook()
+        self.vocab_size = vocab_size
+        self.stop_ids = frozenset(stop_ids)
+        self.decode = decode
+        self.reward = reward
+
+    # --- tasks out ---------------------------------------------------------------------------------
+    def issue(self, now: float, consume_step: int, nodes: Iterable[str], seed: Callable[[], int]) -> list[Task]:
+        """Tasks for the nodes in ``nodes`` (those present and fresh enough), to sign and send."""
+        present = set(nodes)
+        out = []
+        for a in self.dispatcher.next_tasks(now, consume_step):
+            if a.node_id not in present:
+                self.node_left(a.node_id)
+                continue
+            p = self.params
+            task = Task(
+                task_id=a.task_id, node_id=a.node_id, prompts=a.prompts, group_size=p.group_size,
+                max_new_tokens=p.max_new_tokens, temperature=p.temperature, top_p=p.top_p, seed=seed(),
+                min_version=a.min_version, max_version_lag=a.max_version_lag, deadline=a.deadline,
+            )
+            self.book.open(a.task_id, a.node_id, task_hash(task))
+            out.append(task)
+        return out
+
+    def expire(self, now: float) -> list[tuple[str, str]]:
+        """(task id, node) of the tasks past their deadline, closed."""
+        late = [(tid, t.node_id) for tid, t in self.dispatcher.in_flight.items() if now > t.deadline]
+        self.dispatcher.expire(now)
+        for tid, _ in late:
+            self.book.close(tid)
+        return late
+
+    def node_left(self, peer: str) -> list[str]:
+        ids = self.dispatcher.on_node_left(peer)
+        for tid in ids:
+            self.book.close(tid)
+        return ids
+
+    def decline(self, task_id: str, peer: str, reason: str) -> bool:
+        if not self.dispatcher.on_decline(task_id, peer, reason):
+            return False
+        self.book.close(task_id)
+        return True
+
+    # --- results in --------------------------------------------------------------------------------
+    def judge(self, peer: str, r: Result, now: float, learner_step: int) -> Verdict:
+        """The verdict on a Result whose envelope ``peer`` signed."""
+        try:
+            if r.node_id != peer:
+                raise SignerNotAllowed("result names another node")
+            entry = self.book.get(r.task_id)
+            if entry is not None and entry.task_hash and entry.task_hash != r.task_hash:
+                raise MeaningError("result is bound to a different task (task hash mismatch)")
+            task = self.dispatcher.in_flight.get(r.task_id)
+            if task is not None and task.node_id == peer:
+                self._check_completions(task, r)
+        except Echo2Error as exc:
+            return Punish(exc)
+        verdict = self.dispatcher.on_result(now, r.task_id, peer, r.version, learner_step, len(r.completions))
+        if verdict.accepted:
+            self.book.accept(r.task_id)
+        elif r.task_id not in self.dispatcher.in_flight:
+            self.book.close(r.task_id)  # keeps the entry if its result was accepted earlier
+        if not verdict.accepted:
+            return Refuse(verdict.code.value)
+        assert verdict.task is not None
+        return Accept(verdict.task, self._rows(verdict.task, r, peer), verdict.late)
+
+    def _check_completions(self, task: TaskAssignment, r: Result) -> None:
+        counts = Counter(c.prompt_index for c in r.completions)
+        for i, g in enumerate(task.groups):
+            if counts.get(i, 0) != g.group_size:
+                raise MeaningError(f"prompt {i} has {counts.get(i, 0)} completions, expected {g.group_size}")
+        for c in r.completions:
+            if c.prompt_index >= len(task.groups):
+                raise MeaningError(f"completion for prompt {c.prompt_index} outside the task")
+            if len(c.token_ids) > self.params.max_new_tokens:
+                raise MeaningError("completion longer than max_new_tokens")
+            if any(t >= self.vocab_size for t in c.token_ids):
+                raise MeaningError("token id outside the vocabulary")
+
+    def _rows(self, task: TaskAssignment, r: Result, peer: str) -> list[Group]:
+        by_prompt: dict[int, list[Any]] = {}
+        for c in r.completions:
+            by_prompt.setdefault(c.prompt_index, []).append(c)
+        out = []
+        for i, g in enumerate(task.groups):
+            out.append(Group(prompt_ids=list(g.prompt), samples=[self._sample(g, c, r.version, peer) for c in by_prompt.get(i, [])]))
+        return out
+
+    def _sample(self, g: PromptGroup, c: Any, version: int, peer: str) -> Sample:
+        ids = list(c.token_ids)
+        text_ids = ids[:-1] if ids and ids[-1] in self.stop_ids else ids
+        reward = float(self.reward(g.item, self.decode(text_ids), c.finish_reason))
+        return Sample(token_ids=ids, logprobs=list(c.logprobs), reward=reward, version=version, node_id=peer,
+                      finish_reason=c.finish_reason)

@@ -1,0 +1,86 @@
+"""Tasks out: prompts into the dispatcher's queue, signed tasks into the nodes' mailboxes.
+
+The refill keeps just enough prompt groups in the pipeline for the staleness bound; the pump asks
+intake for tasks (intake remembers what it asked, to judge the answers) for the nodes that hold a
+fresh enough version, signs them and wakes the node's pending heartbeat.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from typing import Any
+
+from echo2.protocol import envelope
+from echo2.protocol.identity import Identity
+
+from .config import HubConfig
+from .dispatch import PromptGroup
+from .fleet import Fleet
+from .intake import Intake
+from .store import HubStore
+from .storeworker import StoreWorker
+from .training import Trainer
+
+
+class Outbox:
+    def __init__(
+        self,
+        cfg: HubConfig,
+        identity: Identity,
+        env: Any,
+        tok: Any,
+        intake: Intake,
+        trainer: Trainer,
+        fleet: Fleet,
+        store: StoreWorker,
+    ) -> None:
+        self.cfg, self.identity, self.env, self.tok = cfg, identity, env, tok
+        self.intake, self.trainer, self.fleet, self.store = intake, trainer, fleet, store
+        self.dispatcher = intake.dispatcher
+        self.rng = random.Random(cfg.seed)
+
+    def refill(self) -> None:
+        """Keep B·max(1, S-1) groups in the pipeline: the next batch(es), never more than S allows."""
+        remaining_steps = self.cfg.steps - self.trainer.learner.version
+        if remaining_steps <= 0:
+            return
+        # Rollouts queued beyond B·(S-1) would be consumed more than S steps after their version
+        # was current (one step of lag is the version still travelling to the nodes), so they
+        # would be dropped as stale: over-generation is pure waste.
+        target = self.cfg.prompts_per_step * min(max(1, self.cfg.staleness - 1), remaining_steps)
+        now = time.time()
+        # a task long past its expected time is probably lost: don't let it block the refill
+        in_flight = sum(
+            len(t.groups) for t in self.dispatcher.in_flight.values() if now <= t.issued_at + 2 * t.expected_s + 1.0
+        )
+        need = target - (len(self.dispatcher.queue) + in_flight + len(self.trainer.buffer))
+        if need <= 0:
+            return
+        groups = []
+        for item in self.env.sample_prompts(need, self.rng):
+            self.trainer.prompt_seq += 1
+            ids = self.tok.encode(item.text, add_bos=True)
+            groups.append(PromptGroup(f"p{self.trainer.prompt_seq}", tuple(ids), self.cfg.group_size, item))
+        self.dispatcher.submit(groups)
+
+    def pump(self) -> None:
+        """Hand queued prompt groups to nodes that hold a fresh enough version."""
+        now = time.time()
+        t = self.trainer.consume_step()
+        min_v, active, nodes = max(0, t - self.cfg.staleness), self.fleet.active, self.fleet.nodes
+        self.dispatcher.set_active(
+            p for p, n in nodes.items() if n.held_version >= min_v and (active is None or p in active)
+        )
+        for task in self.intake.issue(now, t, nodes, lambda: self.rng.randrange(2**62)):
+            n_rollouts = len(task.prompts) * task.group_size
+            self.store.submit(HubStore.record_task, task.task_id, task.node_id, now, task.deadline, n_rollouts)
+            node = nodes[task.node_id]
+            # within the node's replay window (600 s), however long the deadline
+            ttl = min(540.0, max(60.0, task.deadline - now + 60.0))
+            node.mailbox.append(envelope.seal(self.identity, task, ttl_s=ttl))
+            node.wakeup.set()
+
+    def feed(self) -> None:
+        self.refill()
+        self.pump()

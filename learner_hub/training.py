@@ -1,0 +1,305 @@
+"""Training: the learner loop. Accepted rows wait in the replay buffer; a full batch becomes a
+GRPO step (in a worker thread), its rows are verified (the in-step check and spot checks of stale
+rows against the published parent version), the new version is published, and every K steps a
+checkpoint is written. The trio loop only schedules: every heavy stage runs in a thread.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+import trio
+
+from echo2.protocol.errors import Echo2Error
+
+from .config import HubConfig
+from .dispatch import ReplayBuffer
+from .intake import TaskBook
+from .learner import Learner
+from .publisher import PolicyPublisher
+from .rows import Group, decode_groups
+from .store import HubStore
+from .storeworker import StoreWorker
+
+log = logging.getLogger(__name__)
+
+Item = tuple[str, Group]  # (task id, group) as buffered
+StoreJob = Callable[[HubStore], None]
+
+
+def build_learner(cfg: HubConfig) -> tuple[Learner, Any, str, dict[str, bytes]]:
+    """The policy to train (tiny, or a local model), its tokenizer, config and artifacts."""
+    import torch
+
+    from echo2.models import spec as modelspec
+
+    torch.manual_seed(cfg.seed)
+    dtype = torch.bfloat16 if cfg.dtype == "bfloat16" else torch.float32
+    if cfg.model == "tiny":
+        conf = modelspec.tiny_config(hidden=cfg.tiny_hidden, layers=cfg.tiny_layers)
+        model_config, artifacts = modelspec.artifacts_for(conf, modelspec.tokenizer_json())
+        model = modelspec.model_from_config(model_config)
+    else:
+        model, model_config, artifacts = modelspec.load_local_model(cfg.model)
+    tok = modelspec.load_tokenizer(artifacts)
+    # The KL reference is the initial policy, frozen.
+    ref_model = copy.deepcopy(model).eval().requires_grad_(False) if cfg.kl_coef > 0 else None
+    learner = Learner(
+        model, tok, lr=cfg.lr, clip_eps=cfg.clip_eps, kl_coef=cfg.kl_coef, temperature=cfg.temperature, dtype=dtype,
+        publish_dtype=torch.bfloat16 if cfg.publish_dtype == "bfloat16" else torch.float32, seed=cfg.seed,
+        ref_model=ref_model,
+    )
+    return learner, tok, model_config, artifacts
+
+
+class Trainer:
+    """The training room. ``book`` is intake's: a task's entry goes when its last group leaves."""
+
+    def __init__(
+        self, cfg: HubConfig, learner: Learner, publisher: PolicyPublisher, sender: Any, store: StoreWorker, book: TaskBook
+    ) -> None:
+        self.cfg = cfg
+        self.learner = learner
+        self.publisher = publisher
+        self.sender = sender
+        self.store = store
+        self.book = book
+        self.buffer: ReplayBuffer[Item] = ReplayBuffer(cfg.staleness, on_drop=self._dropped)
+        self.history: list[dict[str, Any]] = []
+        self.busy_s = 0.0
+        self.t_first_batch: float | None = None
+        self.t_last_step_end: float | None = None
+        self.training = False
+        self.spot_checks = 0
+        self.prompt_seq = 0
+        self.started = time.time()
+        self._scratch: Any = None  # a model copy for spot-checks against parent versions
+        self._buffer_changed = trio.Event()
+        self._trained: set[str] = set()  # tasks with a group trained and groups still buffered
+        publisher.on_closed = lambda h: store.submit(
+            HubStore.set_version_times, h["version"], h["first_s"], h["median_s"], h["last_s"], h["nodes"]
+        )
+
+    # --- rows in -----------------------------------------------------------------------------------
+    def add(self, task_id: str, groups: list[Group], version: int) -> int:
+        """Buffer an accepted result's rows; returns how many were admissible."""
+        n = sum(self.buffer.add((task_id, g), version, self.learner.version) for g in groups)
+        self.book.buffered(task_id, n)
+        if n == 0:
+            self.store.submit(HubStore.drop_pending, [task_id], "stale")
+        self._buffer_changed.set()
+        return n
+
+    def _dropped(self, item: Item) -> None:
+        """A buffered group left without being trained (stale, evicted, its node banned)."""
+        tid = item[0]
+        if self.book.group_gone(tid):
+            if tid in self._trained:
+                self._trained.discard(tid)
+                self.store.submit(HubStore.mark_trained, [tid], self.learner.version)
+            else:
+                self.store.submit(HubStore.drop_pending, [tid], "stale")
+
+    def drop_rows_of(self, peer: str) -> None:
+        self.buffer.remove_if(lambda item: any(smp.node_id == peer for smp in item[1].samples))
+
+    # --- figures ----------------------------------------------------------------------------------
+    def consume_step(self) -> int:
+        """The learner step that rollouts dispatched now will feed: the next one while a step is
+        training. Tasks ask for a version that will still be admissible then (>= step - S)."""
+        return self.learner.version + (1 if self.training else 0)
+
+    def busy_fraction(self) -> float:
+        if self.t_first_batch is None or self.t_last_step_end is None:
+            return 0.0
+        wall = self.t_last_step_end - self.t_first_batch
+        return self.busy_s / wall if wall > 0 else 0.0
+
+    def t_train(self) -> float:
+        recent = [h["train_s"] for h in self.history[-20:]]
+        return sum(recent) / len(recent) if recent else 0.0
+
+    def step_overhead(self) -> float:
+        recent = [h["overhead_s"] for h in self.history[-20:] if "overhead_s" in h]
+        return sum(recent) / len(recent) if recent else 0.0
+
+    # --- resume and checkpoints ------------------------------------------------------------------
+    def resume(self) -> tuple[int | None, int]:
+        """Continue from the last checkpoint (before the loop runs); results accepted after it go
+        back into the buffer. Returns (the step resumed from, results restored)."""
+        ck = self.store.latest_checkpoint()
+        if ck is None:
+            return None, 0
+        step, state = ck
+        self.learner.load_checkpoint_state(state)
+        self.prompt_seq = int(state.get("prompt_seq", 0))
+        self.history[:] = list(state.get("history", []))
+        self.busy_s = float(state.get("busy_s", 0.0))
+        restored = 0
+        for pr in self.store.pending_results(after_step=step):
+            try:
+                groups = decode_groups(pr.payload)
+            except Echo2Error as exc:
+                log.warning("dropping unreadable pending result %s: %s", pr.task_id, exc)
+                self.store.drop_pending([pr.task_id], "unreadable")
+                continue
+            self.add(pr.task_id, groups, pr.version)
+            restored += 1
+        log.info("resumed from checkpoint at step %d; %d accepted results not yet trained restored", step, restored)
+        return step, restored
+
+    async def checkpoint(self) -> None:
+        extra = {"prompt_seq": self.prompt_seq, "history": copy.deepcopy(self.history), "busy_s": self.busy_s}
+        step = self.learner.version
+
+        def write() -> tuple[Path, int]:
+            # the learner is not stepped while this runs: only the learner loop steps it, and it awaits this
+            state = self.learner.checkpoint_state() | extra
+            return HubStore.write_checkpoint_file(self.store.checkpoint_dir, step, state)
+
+        final, size = await trio.to_thread.run_sync(write)
+        self.store.submit(HubStore.record_checkpoint, step, final, size)
+
+    async def publish(self) -> None:
+        sd = self.learner.state_dict_for_publish()
+        pub = await self.publisher.publish(self.learner.version, sd)
+        self.sender.notify()
+        enc = sum(len(e) for e in pub.packed.encoded)
+        self.store.submit(HubStore.record_version, pub.version, pub.published_at, pub.packed.manifest.total_bytes, enc)
+
+    async def _persist_step(self, task_ids: list[str], fleet_job: StoreJob) -> None:
+        """Mark fully trained results, checkpoint every K steps, then the fleet's own snapshot
+        (taken on the loop by the caller) written in the store's thread."""
+        step = self.learner.version
+        done = []
+        for tid in task_ids:
+            if self.book.group_gone(tid):
+                self._trained.discard(tid)
+                done.append(tid)
+            else:
+                self._trained.add(tid)
+        self.store.submit(HubStore.mark_trained, done, step)
+        if step % max(1, self.cfg.checkpoint_every) == 0 or step >= self.cfg.steps:
+            await self.checkpoint()
+            self.store.submit(HubStore.prune_payloads, step)
+        await self.store.call(fleet_job)
+
+    # --- the loop ----------------------------------------------------------------------------------
+    async def run(
+        self,
+        feed: Callable[[], None],
+        checked: Callable[[dict[str, float]], None],
+        predicted_busy: Callable[[], float],
+        fleet_job: Callable[[int], StoreJob],
+        after_step: Callable[[], Awaitable[None] | None],
+    ) -> None:
+        """Train until ``cfg.steps``. ``feed`` refills and dispatches, ``checked`` gets each node's
+        worst log-prob difference, ``fleet_job(step)`` snapshots what the fleet persists."""
+        while self.learner.version < self.cfg.steps:
+            feed()
+            batch = self.buffer.take_batch(self.learner.version, self.cfg.prompts_per_step)
+            if batch is None:
+                self._buffer_changed = trio.Event()
+                with trio.move_on_after(1.0):
+                    await self._buffer_changed.wait()
+                continue
+            t0 = time.time()
+            if self.t_first_batch is None:
+                self.t_first_batch = t0
+            self.training = True
+            # the batch just left the buffer: hand out the next one now, so that generation
+            # overlaps this step (that is what the staleness bound buys)
+            feed()
+            groups = [g for _, (_, g) in batch]
+            try:
+                v_before = self.learner.version
+                stats = await trio.to_thread.run_sync(self.learner.step, groups)
+            finally:
+                self.training = False
+            t1 = time.time()
+            self.busy_s += t1 - t0
+            self.t_last_step_end = t1
+            self.history.append(
+                {
+                    "step": self.learner.version,
+                    "t": round(t1 - self.started, 3),
+                    "reward": stats.reward_mean,
+                    "loss": stats.loss,
+                    "staleness_mean": stats.staleness_mean,
+                    "mismatch_max": stats.mismatch_max,
+                    "train_s": round(t1 - t0, 4),
+                    "busy_fraction": self.busy_fraction(),
+                    "predicted_busy_fraction": predicted_busy(),
+                }
+            )
+            log.info(
+                "step %d reward %.3f loss %.4f staleness %.2f busy %.2f",
+                self.learner.version, stats.reward_mean, stats.loss, stats.staleness_mean, self.busy_fraction(),
+            )
+            spot = await trio.to_thread.run_sync(self._spot_check, groups, v_before)
+            checked(self._diffs(stats, spot))
+            await self.publish()
+            feed()
+            await self._persist_step([tid for _, (tid, _) in batch], fleet_job(self.learner.version))
+            self.history[-1]["overhead_s"] = round(time.time() - t1, 4)
+            res = after_step()
+            if res is not None:
+                await res
+        log.info("finished %d steps", self.cfg.steps)
+
+    # --- verification (BRIEF §7) -------------------------------------------------------------------
+    def _diffs(self, stats: Any, spot: dict[str, float]) -> dict[str, float]:
+        """Node log-probs must match the learner's: rows made with its current version (all of
+        them, checked during the step) and a spot-check of stale rows (``spot``)."""
+        # The learner's in-step check compares with its own master weights: exact only when nodes
+        # run exactly those (fp32 publication); with bf16 publication the spot-check against the
+        # published weights (which covers the current version too) is the reference.
+        diffs = dict(stats.mismatch_by_node) if self.cfg.publish_dtype == self.cfg.dtype else {}
+        for peer, d in spot.items():
+            diffs[peer] = max(d, diffs.get(peer, 0.0))
+        return diffs
+
+    def _spot_check(self, groups: list[Group], current: int) -> dict[str, float]:
+        """Recompute a sample of stale rows (one per node and version) under the published
+        parent version they were made with, kept by the publisher (worker thread)."""
+        from echo2.models import statedict
+        from echo2.models.spec import teacher_forced_logprobs
+
+        # rows of the current version are already checked in the step when nodes run the master
+        # weights themselves; otherwise they are spot-checked here like stale ones
+        same_weights = self.cfg.publish_dtype == self.cfg.dtype
+        picked: dict[tuple[str, int], tuple[list[int], Any]] = {}
+        for g in groups:
+            for smp in g.samples:
+                if (
+                    smp.version <= current
+                    and (smp.version < current or not same_weights)
+                    and smp.node_id
+                    and (smp.node_id, smp.version) not in picked
+                    and smp.token_ids
+                ):
+                    picked[(smp.node_id, smp.version)] = (g.prompt_ids, smp)
+        out: dict[str, float] = {}
+        if not picked:
+            return out
+        if self._scratch is None:
+            self._scratch = copy.deepcopy(self.learner.model).eval().requires_grad_(False)
+        for version in sorted({v for _, v in picked}):
+            pub = self.publisher.recent.get(version)
+            if pub is None:
+                continue
+            sd = statedict.assemble(pub.packed.manifest, pub.packed.raw_chunks)
+            self._scratch.load_state_dict({k: t.float() if t.is_floating_point() else t for k, t in sd.items()})
+            for (peer, v), (prompt, smp) in picked.items():
+                if v != version:
+                    continue
+                ref = teacher_forced_logprobs(self._scratch, prompt, smp.token_ids, self.cfg.temperature)
+                diff = max((abs(a - b) for a, b in zip(ref, smp.logprobs, strict=True)), default=0.0)
+                out[peer] = max(out.get(peer, 0.0), diff)
+        self.spot_checks += len(picked)
+        return out
