@@ -635,11 +635,5 @@ class StarWithHolds(_HubSide):
             except Echo2Error as exc:
                 log.warning("refused %s frame from %s: %s", frame.type.name, conn.peer_id, exc)
 
-    @property
-    def hub_sent_for(self) -> int:
-        return self.star.bytes_sent
-
-
-
 
 __all__ = ["PeerInfo", "PipelinedSender", "StarWithHolds", "VersionMetrics"]

@@ -30,39 +30,15 @@ import os
 from collections.abc import Iterable
 from pathlib import Path
 
+from echo2.fsutil import TMP_PREFIX, atomic_write
 from echo2.protocol.errors import ChunkMismatch, ManifestError
 from echo2.protocol.hashing import digest
 from echo2.protocol.messages import Manifest
 
 log = logging.getLogger(__name__)
 
-TMP_PREFIX = ".tmp-"
 DEFAULT_KEEP = 3
 HASH_SIZE = 32
-
-
-def _fsync_dir(path: Path) -> None:
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:  # some filesystems refuse fsync on directories; the rename is still atomic
-        pass
-    finally:
-        os.close(fd)
-
-
-def atomic_write(path: Path, data: bytes | bytearray | memoryview) -> None:
-    """Write ``data`` to ``path`` so that ``path`` holds either the old file or all of ``data``."""
-    tmp = path.parent / f"{TMP_PREFIX}{path.name}.{os.getpid()}"
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    _fsync_dir(path.parent)
 
 
 class ChunkStore:
@@ -96,12 +72,7 @@ class ChunkStore:
         return n
 
     def _write(self, path: Path, data: bytes | bytearray | memoryview) -> None:
-        if self.fsync:
-            atomic_write(path, data)
-        else:
-            tmp = path.parent / f"{TMP_PREFIX}{path.name}.{os.getpid()}"
-            tmp.write_bytes(data)
-            os.replace(tmp, path)
+        atomic_write(path, data, durable=self.fsync)
 
     # --- chunks ---------------------------------------------------------------------------------
     def _chunk_path(self, raw_hash: bytes) -> Path:

@@ -51,6 +51,7 @@ import trio
 
 from echo2.keyfile import load_or_create_identity
 from echo2.protocol import envelope, packing
+from echo2.protocol.backoff import Backoff
 from echo2.protocol.dataframe import FrameType
 from echo2.protocol.errors import ChunkMismatch, DecodeError, Echo2Error, ManifestError, SchemaError
 from echo2.protocol.hashing import digest
@@ -238,21 +239,22 @@ class RelayNode:
         self._nursery.start_soon(fn, *args)
 
     async def _hub_loop(self) -> None:
-        backoff = 0.2
+        backoff = Backoff(base_s=0.2, cap_s=5.0)
         while True:
             try:
                 conn = await connect(
                     self.hub_addr, self.identity, self.hub_peer,
                     timeout_s=self.cfg.connect_timeout_s, upload_limiter=self.limiter,
                 )
-                backoff = 0.2
+                backoff.reset()
                 async with conn:
                     await conn.send_request(encode_request(REQ_HELLO, addr=self.data_addr, up=float(self.cfg.upload_MBps)))
                     await self._link_main(conn)
+                delay = backoff.failed()  # a link that ended is retried soon, then less often
             except (Echo2Error, OSError) as exc:
-                log.warning("hub data link lost (%s); reconnecting in %.1fs", exc, backoff)
-            await trio.sleep(backoff)
-            backoff = min(backoff * 2, 5.0)
+                delay = backoff.failed()
+                log.warning("hub data link lost (%s); reconnecting in %.1fs", exc, delay)
+            await trio.sleep(delay)
 
     async def _serve(self, conn: DataConnection) -> None:
         await self._link_main(conn)

@@ -16,7 +16,7 @@ from test_hub_results import admit
 from echo2.learner_hub.config import HubConfig
 from echo2.learner_hub.hub import Hub
 from echo2.learner_hub.store import HubStore
-from echo2.node.engine import TransformersEngine
+from echo2.models.engine import TransformersEngine
 from echo2.protocol import envelope
 from echo2.protocol.identity import Identity
 from echo2.protocol.messages import ErrorReply, Heartbeat, HoldsVersion, Result, Task, task_hash
