@@ -167,8 +167,10 @@ class Dispatcher:
         self.queue: deque[PromptGroup] = deque()
         self.nodes: dict[str, NodeState] = {}
         self.in_flight: dict[str, TaskAssignment] = {}
-        # task id -> verdict code that later results get (bounded, oldest forgotten first)
-        self._closed: OrderedDict[str, VerdictCode] = OrderedDict()
+        # task id -> (verdict code that later results get, the node it was assigned to); bounded,
+        # oldest forgotten first. The assignee outlives the task so that a result naming another
+        # node's closed task is still recognised as a forged binding, not a harmless duplicate.
+        self._closed: OrderedDict[str, tuple[VerdictCode, str]] = OrderedDict()
         self.stats = DispatchStats()
 
     # ---- queue and nodes -------------------------------------------------------------------
@@ -266,7 +268,7 @@ class Dispatcher:
         """Judge a (signature-checked) result. Only ``accepted`` results go to the buffer."""
         task = self.in_flight.get(task_id)
         if task is None:
-            code = self._closed.get(task_id, VerdictCode.UNKNOWN_TASK)
+            code = self._closed.get(task_id, (VerdictCode.UNKNOWN_TASK, ""))[0]
             self.stats.refuse(code)
             log.info("result for task %s from %s refused: %s", task_id, node_id, code.value)
             return Verdict(code)
@@ -314,6 +316,14 @@ class Dispatcher:
         obs = task.n_rollouts / elapsed
         a = self.config.ewma_alpha
         st.rate = max(self.config.min_rate, a * obs + (1 - a) * st.rate)
+
+    def assignee(self, task_id: str) -> str | None:
+        """The node a task in flight or recently closed was issued to (None: not known)."""
+        task = self.in_flight.get(task_id)
+        if task is not None:
+            return task.node_id
+        closed = self._closed.get(task_id)
+        return closed[1] if closed is not None else None
 
     def on_decline(self, task_id: str, node_id: str, reason: str = "") -> bool:
         """The node refused the task; its prompts go back to the front. False if not applicable."""
@@ -363,7 +373,7 @@ class Dispatcher:
             st.in_flight.discard(task.task_id)
             if not st.in_flight:
                 st.busy_until = -math.inf
-        self._closed[task.task_id] = later
+        self._closed[task.task_id] = (later, task.node_id)
         while len(self._closed) > self.config.closed_memory:
             self._closed.popitem(last=False)
         if requeue:

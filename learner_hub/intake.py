@@ -195,6 +195,11 @@ class Intake:
             entry = self.book.get(r.task_id)
             if entry is not None and entry.task_hash and entry.task_hash != r.task_hash:
                 raise MeaningError("result is bound to a different task (task hash mismatch)")
+            assignee = self.dispatcher.assignee(r.task_id) if entry is None else None
+            if assignee is not None and assignee != peer:
+                # The task closed and its hash left the book, but a task's hash covers its
+                # node_id, so a result naming another node's task cannot carry a hash of it.
+                raise MeaningError("result is bound to a different task (task hash mismatch: issued to another node)")
             task = self.dispatcher.in_flight.get(r.task_id)
             if task is not None and task.node_id == peer:
                 self._check_completions(task, r)

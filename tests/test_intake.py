@@ -115,3 +115,21 @@ def test_book_is_bounded_by_tasks_in_flight_and_in_the_buffer() -> None:
         assert done[-1] and not any(done[:-1])
         assert len(intake.book) == 0
         intake.dispatcher.queue.clear()
+
+
+def test_a_result_for_another_nodes_closed_task_is_still_a_forgery() -> None:
+    # The book forgets a task's hash when it closes; the binding is still judged from whom the
+    # dispatcher (bounded memory of closed tasks) issued it to.
+    intake = make_intake()
+    submit(intake, 2)
+    t = issue(intake)[0]
+    assert isinstance(intake.judge(t.node_id, answer(t), 1.0, 0), Accept)
+    intake.book.buffered(t.task_id, 0)  # its rows trained: the entry and its hash are gone
+    assert t.task_id not in intake.book
+    other = "B" if t.node_id == "A" else "A"
+    stolen = Result(**{**answer(t, node=other).__dict__, "task_hash": bytes(32)})
+    v = intake.judge(other, stolen, 2.0, 0)
+    assert isinstance(v, Punish) and "task hash" in v.error.message
+    # the node the task was issued to only hears it is a duplicate
+    dup = intake.judge(t.node_id, answer(t), 2.0, 0)
+    assert isinstance(dup, Refuse) and dup.code == "duplicate"
