@@ -44,16 +44,35 @@ def atomic_write_with(
     for key files); ``durable=False`` skips the fsyncs for files that are cheap to lose (status
     snapshots rewritten every second).
     """
-    p = Path(path)
-    tmp = p.parent / f"{TMP_PREFIX}{p.name}.{os.getpid()}"
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode)
-    try:
+
+    def fill(tmp: Path) -> None:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode)
         with os.fdopen(fd, "wb") as f:
             write(f)
-            f.flush()
-            if durable:
-                os.fsync(f.fileno())
-        os.chmod(tmp, mode)  # O_CREAT's mode is filtered by the umask
+
+    atomic_write_path(path, fill, mode=mode, durable=durable)
+
+
+def atomic_write_path(
+    path: str | os.PathLike[str],
+    write: Callable[[Path], object],
+    *,
+    mode: int = 0o600,
+    durable: bool = True,
+) -> None:
+    """Like :func:`atomic_write_with` for writers that want a file name (``safetensors``'
+    ``save_file``), not an open file: ``write(tmp_path)`` fills the temporary file."""
+    p = Path(path)
+    tmp = p.parent / f"{TMP_PREFIX}{p.name}.{os.getpid()}"
+    try:
+        write(tmp)
+        os.chmod(tmp, mode)
+        if durable:
+            fd = os.open(tmp, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
         os.replace(tmp, p)
     except BaseException:
         try:

@@ -28,6 +28,7 @@ from typing import Any
 
 import torch
 
+from echo2.fsutil import atomic_write_path
 from echo2.protocol.errors import ManifestError
 from echo2.protocol.messages import Completion
 
@@ -49,9 +50,7 @@ def _save_safetensors(state_dict: dict[str, torch.Tensor], path: str) -> None:
 
     # clone() breaks storage sharing (tied embeddings), which safetensors refuses to write.
     tensors = {k: v.detach().to("cpu").contiguous().clone() for k, v in state_dict.items()}
-    tmp = path + ".tmp"
-    save_file(tensors, tmp, metadata={"format": "pt"})
-    os.replace(tmp, path)
+    atomic_write_path(path, lambda tmp: save_file(tensors, str(tmp), metadata={"format": "pt"}), mode=0o644)
 
 
 class VLLMEngine:
