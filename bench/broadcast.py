@@ -71,7 +71,7 @@ def _spawn_nodes(n: int, hub_addr: str, hub_peer: str, link_MBps: float, root: s
     for i in range(n):
         d = os.path.join(root, f"node{i}")
         os.makedirs(d, exist_ok=True)
-        cmd = [sys.executable, "-m", "echo2.node.relay_runtime", "--hub-addr", hub_addr, "--hub-peer", hub_peer,
+        cmd = [sys.executable, "-m", "echo2.node.relay_main", "--hub-addr", hub_addr, "--hub-peer", hub_peer,
                "--dir", d, "--upload-MBps", str(link_MBps)]
         if i in corrupt:
             cmd.append("--corrupt")
@@ -161,7 +161,7 @@ async def _real_mode(mode: str, n: int, mbytes: float, link_MBps: float, hub_MBp
 
 
 def run_real(args: argparse.Namespace) -> list[dict[str, object]]:
-    """Real node processes (``python -m echo2.node.relay_runtime``) on 127.0.0.1, every upload (the
+    """Real node processes (``python -m echo2.node.relay_main``) on 127.0.0.1, every upload (the
     hub's too) limited by the data plane's token bucket; the hub runs in this process. Each row
     carries the simulator's prediction for the same parameters (``sim_seconds``, ``sim_vs_real``)."""
     import tempfile

@@ -31,9 +31,11 @@ from collections.abc import Iterable
 from pathlib import Path
 
 from echo2.fsutil import TMP_PREFIX, atomic_write
+from echo2.protocol import packing
 from echo2.protocol.errors import ChunkMismatch, ManifestError
 from echo2.protocol.hashing import digest
 from echo2.protocol.messages import Manifest
+from echo2.protocol.wire import ENC_FULL, ENC_MANIFEST
 
 log = logging.getLogger(__name__)
 
@@ -213,3 +215,41 @@ class ChunkStore:
 
     def stored_bytes(self) -> int:
         return sum(p.stat().st_size for p in self.chunk_dir.iterdir() if not p.name.startswith(TMP_PREFIX))
+
+    # --- a version's chunks as they travel (the relay's chunk source; worker threads) -----------
+    def encoded_for(self, m: Manifest, i: int) -> tuple[int, bytes]:
+        """``(flag, bytes)`` to send for chunk ``i`` of ``m``: the manifest's encoding, re-made
+        from the stored raw chunk (a chunk we hold but never received encoded: resumed, or
+        unchanged since an earlier version), else the full encoding. KeyError if not stored."""
+        entry = m.chunks[i]
+        raw = self.get(entry.raw_hash)
+        if entry.encoding == "full":
+            enc = packing.encode_chunk(raw, None, bf16_split=m.bf16_split)
+        else:
+            assert entry.parent_raw_hash is not None
+            parent = self.get_or_none(entry.parent_raw_hash)
+            enc = packing.encode_chunk(raw, parent, bf16_split=m.bf16_split) if parent is not None else b""
+        if len(enc) == entry.enc_size and digest(enc) == entry.enc_hash:
+            return ENC_MANIFEST, enc
+        return ENC_FULL, packing.encode_chunk(raw, None, bf16_split=m.bf16_split)
+
+    def decode_and_put(self, m: Manifest, i: int, flag: int, data: bytes) -> str:
+        """Decode chunk ``i`` of ``m`` as received (``flag``: the manifest's encoding or full),
+        check its raw hash and store it: ``"stored"``, or ``"need_full"`` for a delta whose
+        parent chunk is not here. ChunkMismatch/ManifestError if it does not decode to the
+        manifest's raw chunk."""
+        entry = m.chunks[i]
+        if self.has(entry.raw_hash):
+            return "stored"
+        if flag == ENC_FULL:
+            raw = packing.decode_full_fallback(entry, data, bf16_split=m.bf16_split)
+        else:
+            parent_raw = None
+            if entry.encoding == "delta":
+                assert entry.parent_raw_hash is not None
+                parent_raw = self.get_or_none(entry.parent_raw_hash)
+                if parent_raw is None:
+                    return "need_full"
+            raw = packing.decode_chunk(entry, data, parent_raw, bf16_split=m.bf16_split)
+        self.put(entry.raw_hash, raw)
+        return "stored"

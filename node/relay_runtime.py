@@ -31,36 +31,34 @@ to the hub on the data plane.
 Fault injection (tests and benches only): ``RelayConfig.corrupt_sends`` flips one byte of every
 chunk this node sends, as a malicious relay would.
 
-Entry point for benches: ``python -m echo2.node.relay_runtime --hub-addr H:P --hub-peer ID --dir D``.
+The link queues, sender and receive loops and the relay's action dispatch are the shared
+:class:`echo2.protocol.net.relaydriver.RelayDriver` (the hub runs the same one); this module is the
+node's part: manifests and plans, verifying and storing chunks, pulls and reports. A process
+entry point for benches: :mod:`echo2.node.relay_main`.
 """
 
 from __future__ import annotations
 
-import argparse
 import logging
 import math
-import os
-import signal
-import sys
-import time
+from collections import deque
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field
 from typing import Any
 
 import trio
 
-from echo2.keyfile import load_or_create_identity
 from echo2.protocol import envelope, packing
 from echo2.protocol.backoff import Backoff
-from echo2.protocol.dataframe import FrameType
-from echo2.protocol.errors import ChunkMismatch, DecodeError, Echo2Error, ManifestError, SchemaError
+from echo2.protocol.dataframe import Frame, FrameType
+from echo2.protocol.errors import ChunkMismatch, Echo2Error, ManifestError, SchemaError
 from echo2.protocol.hashing import digest
 from echo2.protocol.identity import Identity
 from echo2.protocol.messages import BroadcastPlan, ChunkHave, ChunkRequest, HoldsVersion, Manifest
 from echo2.protocol.net.connection import DataConnection, duplex
 from echo2.protocol.net.dataplane import DataPlaneServer, connect
 from echo2.protocol.net.ratelimit import UploadLimiter
-from echo2.protocol.relay import Complete, Evidence, Relay, Report, Request, Send, bitmap_from_indices
+from echo2.protocol.net.relaydriver import RelayDriver, RelayLink
+from echo2.protocol.relay import Evidence, Relay, Request, bitmap_from_indices
 from echo2.protocol.wire import (
     ENC_FULL,
     ENC_MANIFEST,
@@ -71,11 +69,11 @@ from echo2.protocol.wire import (
     REQ_STATS,
     decode_request,
     encode_request,
-    pack_chunk_frame,
     unpack_chunk_frame,
 )
 
 from .chunkstore import ChunkStore
+from .relay_state import Broadcast, HeldInfo, RelayConfig, WirePlan, is_news, plan_from_message, star_view
 
 log = logging.getLogger(__name__)
 
@@ -83,99 +81,37 @@ log = logging.getLogger(__name__)
 # and its manifest may overtake ours): kept up to this many bytes, replayed when the manifest comes.
 MAX_EARLY_BYTES = 64 * 1024 * 1024
 MAX_EARLY_VERSIONS = 4
-
-
-
-# --- the plan as the relay sees it ---------------------------------------------------------------
-
-
-@dataclass
-class WirePlan:
-    """A verified ``BroadcastPlan`` in the shape :class:`echo2.protocol.relay.PlanView` wants."""
-
-    hub: str
-    stripes: int
-    parent: list[dict[str, str]]
-    children: list[dict[str, list[str]]]
-    data_addrs: dict[str, str] = field(default_factory=dict)
-
-
-def plan_from_message(msg: BroadcastPlan, hub: str) -> WirePlan:
-    s = msg.stripes
-    parent: list[dict[str, str]] = [{} for _ in range(s)]
-    children: list[dict[str, list[str]]] = [{} for _ in range(s)]
-    for node, ps in msg.parents.items():
-        if len(ps) != s:
-            raise SchemaError(f"plan v{msg.version}: {node} has {len(ps)} parents for {s} stripes")
-        for i, p in enumerate(ps):
-            parent[i][node] = p
-    for p, per_stripe in msg.children.items():
-        if len(per_stripe) != s:
-            raise SchemaError(f"plan v{msg.version}: {p} has children for {len(per_stripe)} of {s} stripes")
-        for i, cs in enumerate(per_stripe):
-            if cs:
-                children[i][p] = list(cs)
-    return WirePlan(hub, s, parent, children, dict(msg.data_addrs))
-
-
-def star_view(me: str, hub: str) -> WirePlan:
-    """Before (or without) a plan: everything comes from the hub."""
-    return WirePlan(hub, 1, [{me: hub}], [{hub: [me]}])
-
-
-# --- node ----------------------------------------------------------------------------------------
-
-
-@dataclass
-class RelayConfig:
-    upload_MBps: float = 0.0  # token-bucket cap on everything this node uploads (0 = none)
-    stall_timeout_s: float = 3.0
-    request_timeout_s: float = 6.0
-    window: int = 2  # chunks in flight per child
-    tick_s: float = 0.1
-    connect_timeout_s: float = 5.0
-    keep_versions: int = 3
-    corrupt_sends: bool = False  # fault injection, tests/benches only
-
-
-@dataclass
-class HeldInfo:
-    version: int
-    manifest: Manifest
-    seconds: float  # manifest arrival to complete and verified on disk
-
-
-@dataclass
-class _Broadcast:
-    manifest: Manifest
-    envelope: bytes
-    plan: WirePlan
-    relay: Relay
-    t0: float
-    encoded: dict[int, bytes] = field(default_factory=dict)
-    need_full: set[int] = field(default_factory=set)
-    full_asked_at: float = -math.inf
-    done: bool = False
-    have_sent: int = -1
-    bytes_sent: int = 0
-    bytes_received: int = 0
-    stats_sent: int = -1
-
-    @property
-    def version(self) -> int:
-        return self.manifest.version
-
-
-class _Link:
-    def __init__(self, conn: DataConnection) -> None:
-        self.conn = conn
-        self.peer = conn.peer_id
-        self.tx, self.rx = trio.open_memory_channel[tuple[int, int]](math.inf)
-        self.inflight: set[tuple[int, int]] = set()
-
+MAX_EVIDENCE = 1024  # evidence kept for inspection (each report goes to on_evidence as it comes)
 
 OnHolds = Callable[[HeldInfo], Awaitable[None] | None]
 OnEvidence = Callable[[int, Evidence], Awaitable[None] | None]
+
+
+class _StoreSource:
+    """The node's :class:`~echo2.protocol.net.relaydriver.ChunkSource`: the encoded bytes kept
+    since they were verified, else re-encoded from the chunk store in a worker thread."""
+
+    def __init__(self, node: RelayNode) -> None:
+        self.node = node
+
+    async def encoded(self, version: int, index: int) -> tuple[int, bytes]:
+        node = self.node
+        b = node.bc
+        if b is None or b.version != version:
+            raise KeyError(version)
+        cached = b.encoded.get(index)
+        if cached is not None:
+            flag, data = ENC_MANIFEST, cached
+        else:
+            flag, data = await trio.to_thread.run_sync(node.store.encoded_for, b.manifest, index)
+        if node.cfg.corrupt_sends:
+            bad = bytearray(data)
+            bad[len(bad) // 2] ^= 0xFF
+            data = bytes(bad)
+        return flag, data
+
+    async def full(self, version: int, index: int) -> bytes:
+        raise KeyError("a node serves no full encodings")
 
 
 class RelayNode:
@@ -206,16 +142,19 @@ class RelayNode:
         self.on_same_version = on_same_version
         self.limiter = UploadLimiter(self.cfg.upload_MBps) if self.cfg.upload_MBps > 0 else None
         self.server = DataPlaneServer(identity, self._serve, host=host, port=port, upload_limiter=self.limiter)
-        self.links: dict[str, _Link] = {}
+        self.driver = RelayDriver(
+            _StoreSource(self), on_unlinked=self._on_unlinked, on_request=self._on_pull,
+            on_report=self._on_report, on_sent=self._on_sent,
+        )
         self._dialing: dict[str, trio.Event] = {}
-        self._pending: dict[str, list[tuple[int, int]]] = {}
+        self._pending: dict[str, dict[tuple[int, int], None]] = {}  # peer -> sends waiting for its link
         self._early_have: dict[str, ChunkHave] = {}
         self._early_chunks: dict[int, list[tuple[str, bytes]]] = {}
         self._early_bytes = 0
         self._plans: dict[int, WirePlan] = {}
-        self.bc: _Broadcast | None = None
+        self.bc: Broadcast | None = None
         self.held: HeldInfo | None = None
-        self.evidence: list[tuple[int, Evidence]] = []
+        self.evidence: deque[tuple[int, Evidence]] = deque(maxlen=MAX_EVIDENCE)
         self._store_tx, self._store_rx = trio.open_memory_channel[tuple[int, int, int, bytes, str]](math.inf)
         self._nursery: trio.Nursery | None = None
         self.holds_event = trio.Event()
@@ -223,6 +162,10 @@ class RelayNode:
     @property
     def data_addr(self) -> str:
         return self.server.addr
+
+    @property
+    def links(self) -> dict[str, RelayLink]:
+        return self.driver.links
 
     # --- lifecycle -----------------------------------------------------------------------------
     async def run(self, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
@@ -260,61 +203,68 @@ class RelayNode:
         await self._link_main(conn)
 
     async def _link_main(self, conn: DataConnection, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
-        link = _Link(conn)
-        peer = link.peer
-        self.links[peer] = link
-        for item in self._pending.pop(peer, []):
-            link.tx.send_nowait(item)
+        link = self.driver.link_up(conn)
+        for ver, i in self._pending.pop(link.peer, {}):
+            link.put(("chunk", ver, i))
         task_status.started(link)
         try:
             await self._send_have(link)
-            if peer == self.hub_peer and self.held is not None:
+            if link.peer == self.hub_peer and self.held is not None:
                 await self._report_holds(self.held)
-            await duplex(self._sender(link), self._receive_loop(link))
+            await duplex(self.driver.sender(link), self._receive_loop(link))
         finally:
-            if self.links.get(peer) is link:
-                del self.links[peer]
             self._link_gone(link)
 
-    def _link_gone(self, link: _Link) -> None:
+    def _link_gone(self, link: RelayLink) -> None:
+        self.driver.link_down(link)
         b = self.bc
-        if b is None:
+        if b is None or link.peer in self.links:
             return
-        for ver, i in list(link.inflight):
-            if ver == b.version:
-                self._act(b, b.relay.on_send_failed(link.peer, i))
-        link.inflight.clear()
-        if link.peer not in self.links:
-            b.relay.peer_have.pop(link.peer, None)  # it can no longer serve what it advertised
-        if link.peer in b.relay.parents and link.peer not in self.links:
+        b.relay.peer_have.pop(link.peer, None)  # it can no longer serve what it advertised
+        if link.peer in b.relay.parents:
             # A dead parent: pull its stripes at the next tick instead of waiting for the stall timer.
             for s, p in enumerate(b.relay.parents):
                 if p == link.peer:
                     b.relay.last_progress[s] = -math.inf
             log.info("parent %s is gone; pulling its stripes elsewhere", link.peer)
 
+    # --- the driver's hooks --------------------------------------------------------------------
+    def _on_unlinked(self, peer: str, version: int, index: int) -> None:
+        # A child that has not dialed us yet: its sends wait for its link (deduplicated; only
+        # the current version's are kept when a version starts).
+        self._pending.setdefault(peer, {})[(version, index)] = None
+
+    def _on_pull(self, version: int, a: Request) -> None:
+        self._spawn(self._request, version, a.peer, a.indices, REQ_GET)
+
+    def _on_report(self, version: int, ev: Evidence) -> None:
+        self.evidence.append((version, ev))
+        log.warning("evidence: chunk %d of v%d from %s is corrupt", ev.index, version, ev.peer)
+        if self.on_evidence is not None:
+            res = self.on_evidence(version, ev)
+            if res is not None:
+                self._spawn(_await, res)
+
+    def _on_sent(self, version: int, n: int) -> None:
+        b = self.bc
+        if b is not None and b.version == version:
+            b.bytes_sent += n
+
+    def _act(self, b: Broadcast, actions: list[Any]) -> None:
+        if self.bc is b:
+            self.driver.act(actions)
+
     # --- receiving -----------------------------------------------------------------------------
-    async def _receive_loop(self, link: _Link) -> None:
-        conn = link.conn
-        while True:
-            try:
-                frame = await conn.receive()
-            except ChunkMismatch as exc:  # frame body did not match its own key: still in sync
-                log.warning("damaged frame from %s: %s", link.peer, exc)
-                continue
-            if frame.type is FrameType.BYE:
-                return
-            try:
-                if frame.type is FrameType.CHUNK:
-                    await self._on_chunk(link.peer, frame.payload)
-                elif frame.type is FrameType.REQUEST:
-                    self._on_request(link, frame.payload)
-                elif frame.type is FrameType.MESSAGE and link.peer == self.hub_peer:
-                    await self._on_hub_message(frame.payload)
-            except (SchemaError, DecodeError, ManifestError) as exc:
-                log.warning("refused %s frame from %s: %s", frame.type.name, link.peer, exc)
-            except Echo2Error as exc:
-                log.warning("refused %s frame from %s: %s", frame.type.name, link.peer, exc)
+    async def _receive_loop(self, link: RelayLink) -> None:
+        await self.driver.receive_loop(link, self._on_frame)
+
+    async def _on_frame(self, link: RelayLink, frame: Frame) -> None:
+        if frame.type is FrameType.CHUNK:
+            await self._on_chunk(link.peer, frame.payload)
+        elif frame.type is FrameType.REQUEST:
+            self._on_request(link, frame.payload)
+        elif frame.type is FrameType.MESSAGE and link.peer == self.hub_peer:
+            await self._on_hub_message(frame.payload)
 
     async def _on_hub_message(self, payload: bytearray) -> None:
         v = envelope.open_envelope(
@@ -336,7 +286,7 @@ class RelayNode:
 
     async def _on_manifest(self, m: Manifest, raw: bytes) -> None:
         held = self.held
-        if held is not None and not _is_news(m, held.manifest) and m.version == held.version:
+        if held is not None and not is_news(m, held.manifest) and m.version == held.version:
             # The hub (re)sent the very version we hold: a hub resumed from a checkpoint that
             # retrained the same results re-publishes it identically. It may not know we hold
             # it (it restarted): say so, or it would never give us work.
@@ -346,7 +296,7 @@ class RelayNode:
                 if res is not None:
                     await res
             return
-        if not _is_news(m, self.bc.manifest if self.bc is not None else None) or not _is_news(
+        if not is_news(m, self.bc.manifest if self.bc is not None else None) or not is_news(
             m, held.manifest if held is not None else None
         ):
             return
@@ -361,15 +311,15 @@ class RelayNode:
             stall_timeout_s=self.cfg.stall_timeout_s, request_timeout_s=self.cfg.request_timeout_s,
             window=self.cfg.window,
         )
-        b = _Broadcast(m, raw, plan, relay, now)
+        b = Broadcast(m, raw, plan, relay, now)
         self.bc = b
+        self.driver.start(m.version, relay)
         log.info("version %d: %d chunks, %d already held", m.version, len(m.chunks), len(have))
         for peer, h in list(self._early_have.items()):
             if h.version == m.version:
                 relay.on_have(peer, h.have, now=now)
         self._early_have = {p: h for p, h in self._early_have.items() if h.version > m.version}
-        for peer, items in list(self._pending.items()):
-            self._pending[peer] = [it for it in items if it[0] >= m.version]
+        self._pending = {p: {it: None for it in items if it[0] >= m.version} for p, items in self._pending.items()}
         self._act(b, relay.start(now=now))
         self._dial_parents(b)
         await self._replay_early(b)
@@ -385,7 +335,7 @@ class RelayNode:
         self._early_chunks.setdefault(version, []).append((peer, payload))
         self._early_bytes += len(payload)
 
-    async def _replay_early(self, b: _Broadcast) -> None:
+    async def _replay_early(self, b: Broadcast) -> None:
         mine = self._early_chunks.pop(b.version, [])
         for v in [v for v in self._early_chunks if v < b.version]:
             del self._early_chunks[v]
@@ -398,7 +348,7 @@ class RelayNode:
             except Echo2Error as exc:
                 log.warning("refused early chunk from %s: %s", peer, exc)
 
-    def _dial_parents(self, b: _Broadcast) -> None:
+    def _dial_parents(self, b: Broadcast) -> None:
         for p in set(b.relay.parents):
             if p is not None and p not in (self.me, self.hub_peer) and p not in self.links:
                 self._spawn(self._ensure_link, p)
@@ -435,48 +385,25 @@ class RelayNode:
                 return
             self._store_tx.send_nowait((b.version, i, ENC_FULL, bytes(cf.data), peer))
 
-    def _on_request(self, link: _Link, payload: bytearray) -> None:
+    def _on_request(self, link: RelayLink, payload: bytearray) -> None:
         kind, d = decode_request(payload)
         b = self.bc
         if kind == REQ_HAVE:
             h: ChunkHave = d["m"]
-            if h.peer_id != link.peer:
-                raise SchemaError("ChunkHave names another peer")
-            if b is not None and h.version == b.version:
-                self._act(b, b.relay.on_have(link.peer, h.have, now=trio.current_time()))
-            elif b is None or h.version > b.version:
+            if not self.driver.on_have(link.peer, h) and (b is None or h.version > b.version):
                 self._early_have[link.peer] = h
         elif kind == REQ_GET:
-            r: ChunkRequest = d["m"]
-            if b is not None and r.version == b.version:
-                self._act(b, b.relay.on_request(link.peer, r.indices, now=trio.current_time()))
+            self.driver.on_get(link.peer, d["m"])
         # hello/stats/full are for the hub; a node ignores them
 
     # --- storing -------------------------------------------------------------------------------
-    def _decode_store(self, m: Manifest, i: int, flag: int, data: bytes) -> str:
-        entry = m.chunks[i]
-        if self.store.has(entry.raw_hash):
-            return "stored"
-        if flag == ENC_FULL:
-            raw = packing.decode_full_fallback(entry, data, bf16_split=m.bf16_split)
-        else:
-            parent_raw = None
-            if entry.encoding == "delta":
-                assert entry.parent_raw_hash is not None
-                parent_raw = self.store.get_or_none(entry.parent_raw_hash)
-                if parent_raw is None:
-                    return "need_full"
-            raw = packing.decode_chunk(entry, data, parent_raw, bf16_split=m.bf16_split)
-        self.store.put(entry.raw_hash, raw)
-        return "stored"
-
     async def _store_worker(self) -> None:
         async for version, i, flag, data, peer in self._store_rx:
             b = self.bc
             if b is None or b.version != version or b.done:
                 continue
             try:
-                outcome = await trio.to_thread.run_sync(self._decode_store, b.manifest, i, flag, data)
+                outcome = await trio.to_thread.run_sync(self.store.decode_and_put, b.manifest, i, flag, data)
             except (ChunkMismatch, ManifestError) as exc:
                 log.warning("chunk %d of version %d does not decode (%s); asking the hub for it in full", i, version, exc)
                 if flag == ENC_FULL:
@@ -495,7 +422,7 @@ class RelayNode:
                 if not await trio.to_thread.run_sync(self.store.missing, b.manifest):
                     await self._complete(b)
 
-    async def _complete(self, b: _Broadcast) -> None:
+    async def _complete(self, b: Broadcast) -> None:
         b.done = True
         held = HeldInfo(b.version, b.manifest, trio.current_time() - b.t0)
         self.held = held
@@ -518,74 +445,8 @@ class RelayNode:
         except Echo2Error as exc:
             log.debug("holds report to the hub failed: %s", exc)
 
-    # --- sending -------------------------------------------------------------------------------
-    def _encoded_for(self, m: Manifest, i: int) -> tuple[int, bytes]:
-        """Bytes to send for chunk ``i``: the manifest's encoding, re-made from the stored raw
-        chunk when we never received it encoded (resumed or unchanged chunks), else ``full``."""
-        entry = m.chunks[i]
-        raw = self.store.get(entry.raw_hash)
-        if entry.encoding == "full":
-            enc = packing.encode_chunk(raw, None, bf16_split=m.bf16_split)
-        else:
-            assert entry.parent_raw_hash is not None
-            parent = self.store.get_or_none(entry.parent_raw_hash)
-            enc = packing.encode_chunk(raw, parent, bf16_split=m.bf16_split) if parent is not None else b""
-        if len(enc) == entry.enc_size and digest(enc) == entry.enc_hash:
-            return ENC_MANIFEST, enc
-        return ENC_FULL, packing.encode_chunk(raw, None, bf16_split=m.bf16_split)
-
-    async def _sender(self, link: _Link) -> None:
-        async for ver, i in link.rx:
-            b = self.bc
-            if b is None or b.version != ver:
-                continue
-            link.inflight.add((ver, i))
-            try:
-                cached = b.encoded.get(i)
-                if cached is not None:
-                    flag, data = ENC_MANIFEST, cached
-                else:
-                    flag, data = await trio.to_thread.run_sync(self._encoded_for, b.manifest, i)
-                if self.cfg.corrupt_sends:
-                    bad = bytearray(data)
-                    bad[len(bad) // 2] ^= 0xFF
-                    data = bytes(bad)
-                await link.conn.send_chunk(pack_chunk_frame(ver, i, flag, data))
-            except (Echo2Error, KeyError) as exc:
-                link.inflight.discard((ver, i))
-                log.info("sending chunk %d to %s failed: %s", i, link.peer, exc)
-                if self.bc is b:
-                    self._act(b, b.relay.on_send_failed(link.peer, i))
-                if not link.conn.usable:
-                    return
-                continue
-            link.inflight.discard((ver, i))
-            b.bytes_sent += len(data)
-            if self.bc is b:
-                self._act(b, b.relay.on_child_ack(link.peer, i, now=trio.current_time()))
-
-    def _act(self, b: _Broadcast, actions: list[Any]) -> None:
-        for a in actions:
-            if isinstance(a, Send):
-                item = (b.version, a.index)
-                link = self.links.get(a.peer)
-                if link is not None:
-                    link.tx.send_nowait(item)
-                else:
-                    self._pending.setdefault(a.peer, []).append(item)
-            elif isinstance(a, Request):
-                self._spawn(self._request, b.version, a.peer, a.indices, REQ_GET)
-            elif isinstance(a, Report):
-                self.evidence.append((b.version, a.evidence))
-                log.warning("evidence: chunk %d of v%d from %s is corrupt", a.evidence.index, b.version, a.evidence.peer)
-                if self.on_evidence is not None:
-                    res = self.on_evidence(b.version, a.evidence)
-                    if res is not None:
-                        self._spawn(_await, res)
-            elif isinstance(a, Complete):
-                log.debug("version %d: every chunk verified (encoded)", b.version)
-
-    async def _ensure_link(self, peer: str) -> _Link | None:
+    # --- pulling and announcing ----------------------------------------------------------------
+    async def _ensure_link(self, peer: str) -> RelayLink | None:
         if peer in self.links:
             return self.links[peer]
         if peer == self.hub_peer:
@@ -602,7 +463,7 @@ class RelayNode:
         try:
             conn = await connect(addr, self.identity, peer, timeout_s=self.cfg.connect_timeout_s, upload_limiter=self.limiter)
             assert self._nursery is not None
-            link: _Link = await self._nursery.start(self._link_main_dialed, conn)
+            link: RelayLink = await self._nursery.start(self._link_main_dialed, conn)
             return link
         except (Echo2Error, OSError) as exc:
             log.info("cannot reach peer %s at %s: %s", peer, addr, exc)
@@ -631,7 +492,7 @@ class RelayNode:
         except Echo2Error as exc:
             log.info("request to %s failed: %s", peer, exc)
 
-    async def _send_have(self, link: _Link) -> None:
+    async def _send_have(self, link: RelayLink) -> None:
         b = self.bc
         if b is None:
             return
@@ -691,55 +552,4 @@ async def _await(x: Awaitable[None]) -> None:
     await x
 
 
-
-
-def _is_news(new: Manifest, old: Manifest | None) -> bool:
-    """Newer than ``old``, or the same or an older number with other content: a hub restarted
-    from a checkpoint re-publishes versions, and its word on the current policy wins."""
-    if old is None or new.version > old.version:
-        return True
-    return [c.raw_hash for c in new.chunks] != [c.raw_hash for c in old.chunks]
-
-
-# --- process entry point (benches, tests) ---------------------------------------------------------
-
-
-def _parse(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m echo2.node.relay_runtime", description="broadcast-only node")
-    p.add_argument("--hub-addr", required=True, help="hub data plane host:port")
-    p.add_argument("--hub-peer", required=True, help="hub peer ID")
-    p.add_argument("--dir", required=True, help="data directory (key and chunk store)")
-    p.add_argument("--upload-MBps", dest="upload_MBps", type=float, default=0.0)
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--stall-s", dest="stall_s", type=float, default=RelayConfig.stall_timeout_s)
-    p.add_argument("--corrupt", action="store_true", help="fault injection: corrupt every chunk sent")
-    p.add_argument("--log-level", default="WARNING")
-    return p.parse_args(argv)
-
-
-def main(argv: list[str] | None = None) -> int:
-    args = _parse(argv)
-    logging.basicConfig(level=args.log_level, format="%(asctime)s %(name)s %(levelname)s %(message)s", stream=sys.stderr)
-    os.makedirs(args.dir, exist_ok=True)
-    identity = load_or_create_identity(os.path.join(args.dir, "node.key"))
-    store = ChunkStore(os.path.join(args.dir, "store"))
-    cfg = RelayConfig(upload_MBps=args.upload_MBps, stall_timeout_s=args.stall_s, corrupt_sends=args.corrupt)
-
-    async def amain() -> None:
-        node = RelayNode(identity, store, args.hub_peer, args.hub_addr, cfg, host=args.host)
-        async with trio.open_nursery() as nursery:
-            await nursery.start(node.run)
-            print(f"READY {identity.peer_id} {node.data_addr}", flush=True)
-            with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as sigs:
-                async for _ in sigs:
-                    nursery.cancel_scope.cancel()
-                    break
-
-    t0 = time.time()
-    trio.run(amain)
-    log.info("node exits after %.1fs", time.time() - t0)
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+__all__ = ["HeldInfo", "RelayConfig", "RelayNode", "decode_request", "encode_request"]
