@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import logging
 import math
+import shutil
 from collections import deque
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -73,7 +74,17 @@ from echo2.protocol.wire import (
 )
 
 from .chunkstore import ChunkStore
-from .relay_state import Broadcast, HeldInfo, RelayConfig, WirePlan, is_news, plan_from_message, star_view
+from .relay_state import (
+    Broadcast,
+    HeldInfo,
+    RelayConfig,
+    WirePlan,
+    budget_refusal,
+    is_news,
+    plan_from_message,
+    same_content,
+    star_view,
+)
 
 log = logging.getLogger(__name__)
 
@@ -286,7 +297,7 @@ class RelayNode:
 
     async def _on_manifest(self, m: Manifest, raw: bytes) -> None:
         held = self.held
-        if held is not None and not is_news(m, held.manifest) and m.version == held.version:
+        if held is not None and same_content(m, held.manifest):
             # The hub (re)sent the very version we hold: a hub resumed from a checkpoint that
             # retrained the same results re-publishes it identically. It may not know we hold
             # it (it restarted): say so, or it would never give us work.
@@ -296,13 +307,20 @@ class RelayNode:
                 if res is not None:
                     await res
             return
-        if not is_news(m, self.bc.manifest if self.bc is not None else None) or not is_news(
-            m, held.manifest if held is not None else None
-        ):
-            return
+        for known in (self.bc.manifest if self.bc is not None else None, held.manifest if held is not None else None):
+            if not is_news(m, known):
+                if known is not None and not same_content(m, known):
+                    log.warning("manifest v%d refused: not newer than v%d (a replay)", m.version, known.version)
+                return
         packing.verify_manifest_consistency(m)
-        await trio.to_thread.run_sync(self.store.save_version, m, raw)
         missing = set(await trio.to_thread.run_sync(self.store.missing, m))
+        free = (await trio.to_thread.run_sync(shutil.disk_usage, self.store.root)).free
+        missing_bytes = sum(m.chunks[i].raw_size for i in missing)
+        refusal = budget_refusal(m, self.cfg, missing_bytes=missing_bytes, free_disk=free)
+        if refusal is not None:
+            log.warning("manifest v%d refused: %s", m.version, refusal)
+            return
+        await trio.to_thread.run_sync(self.store.save_version, m, raw)
         have = [c.index for c in m.chunks if c.index not in missing]
         plan = self._plans.get(m.version) or star_view(self.me, self.hub_peer)
         now = trio.current_time()

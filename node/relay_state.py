@@ -4,6 +4,7 @@ shape the relay rules want, one version's transfer state, and which manifests co
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass, field
 
 from echo2.protocol.errors import SchemaError
@@ -21,6 +22,11 @@ class RelayConfig:
     connect_timeout_s: float = 5.0
     keep_versions: int = 3
     corrupt_sends: bool = False  # fault injection, tests/benches only
+    # What one version may cost this node (A7); 0: half the machine's memory. A version is held
+    # about twice in memory (the encoded chunks kept for forwarding while it arrives, then the
+    # raw chunks and the assembled buffer when it is loaded).
+    max_memory_bytes: int = 0
+    disk_reserve_bytes: int = 256 * 1024**2  # left free on the store's disk
 
 
 @dataclass
@@ -99,9 +105,37 @@ class Broadcast:
         return self.manifest.version
 
 
+def same_content(a: Manifest, b: Manifest) -> bool:
+    return a.version == b.version and [c.raw_hash for c in a.chunks] == [c.raw_hash for c in b.chunks]
+
+
 def is_news(new: Manifest, old: Manifest | None) -> bool:
-    """Newer than ``old``, or the same or an older number with other content: a hub restarted
-    from a checkpoint re-publishes versions, and its word on the current policy wins."""
+    """Versions only move forward (A13): a higher number, or the same number with other content
+    signed later (a hub restarted from a checkpoint re-publishes the version it resumed at, and
+    its word on that version wins). An older number, or an older signing of the same number, is
+    a replay of a manifest the hub once signed (they live for days): never news."""
     if old is None or new.version > old.version:
         return True
-    return [c.raw_hash for c in new.chunks] != [c.raw_hash for c in old.chunks]
+    if new.version < old.version or same_content(new, old):
+        return False
+    return new.created > old.created
+
+
+def memory_budget(cfg: RelayConfig) -> int:
+    if cfg.max_memory_bytes > 0:
+        return cfg.max_memory_bytes
+    try:
+        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") // 2
+    except (ValueError, OSError):
+        return 8 * 1024**3
+
+
+def budget_refusal(m: Manifest, cfg: RelayConfig, *, missing_bytes: int, free_disk: int) -> str | None:
+    """Why this node cannot take version ``m`` (its sizes against the memory and disk budget),
+    or None. Checked before anything of the version is allocated: a manifest's sizes are claims."""
+    mem = memory_budget(cfg)
+    if 2 * m.total_bytes > mem:
+        return f"{m.total_bytes} bytes need about {2 * m.total_bytes} of memory; the budget is {mem}"
+    if missing_bytes > free_disk - cfg.disk_reserve_bytes:
+        return f"{missing_bytes} bytes to store; {free_disk} free on disk, {cfg.disk_reserve_bytes} kept free"
+    return None

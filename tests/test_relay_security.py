@@ -1,0 +1,106 @@
+"""Issue 15 findings on the node side of the broadcast (A4 open data plane, A7 manifest sizes, A13
+rollback) and the hub side (A9 demotion on evidence only), against a real hub sender and real
+relay nodes on 127.0.0.1 (the Swarm of test_relay_runtime)."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from pathlib import Path
+
+import pytest
+import trio
+from test_relay_runtime import Swarm, _state
+
+from echo2.node.relay_state import RelayConfig, budget_refusal, is_news
+from echo2.protocol import envelope
+from echo2.protocol.messages import Manifest, ManifestChunk, TensorEntry
+
+MiB = 1024 * 1024
+
+
+def _huge_manifest(version: int, model_config: str) -> Manifest:
+    """A consistent, hub-signable manifest of 1 TiB (64 MiB chunks): every size in it is a claim."""
+    chunk, total = 64 * MiB, 1 << 40
+    n = total // chunk
+    return Manifest(
+        version=version, parent=None, created=time.time(), chunk_size=chunk, total_bytes=total,
+        tensors=[TensorEntry(name="w", dtype="uint8", shape=[total], offset=0, nbytes=total)],
+        chunks=[
+            ManifestChunk(index=i, offset=i * chunk, raw_size=chunk, raw_hash=bytes(32), encoding="full",
+                          enc_size=chunk, enc_hash=bytes(32), parent_raw_hash=None)
+            for i in range(n)
+        ],
+        model_config=model_config, artifacts={}, bf16_split=False,
+    )
+
+
+def test_a7_manifest_claiming_a_tebibyte_is_refused_and_the_node_stays_up(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.WARNING, logger="echo2.node.relay_runtime")
+
+    async def main() -> None:
+        with trio.fail_after(60):
+            sw = Swarm(tmp_path, 1, chunk=64 * 1024, up_MBps=50.0)
+            async with trio.open_nursery() as nursery:
+                await sw.start(nursery)
+                await sw.publish(1, _state(200_000, 1))
+                await sw.wait_holds(1, sw.nodes)
+                node = sw.nodes[0]
+                pub = sw.publisher.latest
+                assert pub is not None
+                huge = _huge_manifest(5, pub.packed.manifest.model_config)
+                sw.sender.links[node.me].put(("manifest", 1, envelope.seal(sw.hub_id, huge, ttl_s=600)))
+                with trio.move_on_after(10):
+                    while "manifest v5 refused" not in caplog.text:
+                        await trio.sleep(0.05)
+                assert node.bc is not None and node.bc.version == 1, "the 1 TiB version must not start"
+                assert "manifest v5 refused" in caplog.text
+                await sw.publish(6, _state(200_000, 6))  # still up, and still taking real versions
+                await sw.wait_holds(6, sw.nodes)
+                nursery.cancel_scope.cancel()
+
+    trio.run(main)
+
+
+def test_a7_manifest_sizes_are_checked_against_memory_and_disk(tmp_path: Path) -> None:
+    m = _huge_manifest(1, "{}")
+    cfg = RelayConfig(max_memory_bytes=4 * 1024**3)
+    assert "memory" in (budget_refusal(m, cfg, missing_bytes=m.total_bytes, free_disk=1 << 50) or "")
+    small = dataclasses.replace(m, total_bytes=MiB)
+    assert "disk" in (budget_refusal(small, cfg, missing_bytes=MiB, free_disk=MiB) or "")
+    assert budget_refusal(small, cfg, missing_bytes=MiB, free_disk=1 << 40) is None
+
+
+def test_a13_rollback_replayed_older_manifest_is_refused(tmp_path: Path) -> None:
+    async def main() -> None:
+        with trio.fail_after(60):
+            sw = Swarm(tmp_path, 1, chunk=64 * 1024, up_MBps=50.0)
+            async with trio.open_nursery() as nursery:
+                await sw.start(nursery)
+                await sw.publish(1, _state(200_000, 1))
+                pub1 = sw.publisher.latest
+                assert pub1 is not None
+                await sw.wait_holds(1, sw.nodes)
+                await sw.publish(2, _state(200_000, 2))
+                await sw.wait_holds(2, sw.nodes)
+                node = sw.nodes[0]
+                # An old, still valid, hub-signed manifest replayed to the node (by whoever kept it).
+                sw.sender.links[node.me].put(("manifest", 2, pub1.manifest_envelope))
+                await trio.sleep(1.0)
+                assert node.bc is not None and node.bc.version == 2, "rolled back to an older version"
+                assert node.held is not None and node.held.version == 2
+                nursery.cancel_scope.cancel()
+
+    trio.run(main)
+
+
+def test_a13_rollback_same_number_only_when_signed_later() -> None:
+    m = _huge_manifest(3, "{}")
+    other = dataclasses.replace(m, chunks=[dataclasses.replace(m.chunks[0], raw_hash=b"\x01" * 32), *m.chunks[1:]])
+    assert not is_news(dataclasses.replace(m, version=2), m)  # an older number: never
+    assert not is_news(dataclasses.replace(other, created=m.created - 60), m)  # an older signing
+    assert is_news(dataclasses.replace(other, created=m.created + 60), m)  # a restarted hub's word
+    assert not is_news(m, m)
