@@ -8,13 +8,32 @@ parameter (``now``, seconds on any monotonic clock), so all of it is testable wi
 
 from __future__ import annotations
 
+import ipaddress
 import logging
 from collections import Counter, OrderedDict
 from collections.abc import Hashable
 
 from .tokenbucket import TokenBucket
 
-__all__ = ["ByteBudget", "ConcurrencyLimiter", "KeyedRateLimiter", "LogThrottle"]
+__all__ = ["ByteBudget", "address_key", "ConcurrencyLimiter", "KeyedRateLimiter", "LogThrottle"]
+
+
+def address_key(ip: str) -> str:
+    """The key a per-IP budget uses for ``ip``: the address itself for IPv4, its /64 for IPv6.
+
+    One IPv6 customer commonly holds a whole /64, so a per-address budget would give one
+    attacker 2**64 budgets. Anything that is not an IP address (e.g. a peer ID standing in for an
+    unknown address) is its own key.
+    """
+    try:
+        addr = ipaddress.ip_address(ip)
+    except ValueError:
+        return ip
+    if isinstance(addr, ipaddress.IPv6Address):
+        if addr.ipv4_mapped is not None:
+            return str(addr.ipv4_mapped)
+        return str(ipaddress.IPv6Network((addr, 64), strict=False))
+    return str(addr)
 
 
 class KeyedRateLimiter:

@@ -61,7 +61,7 @@ from libp2p.pubsub.pubsub import Pubsub
 from ..backoff import backoff_delay
 from ..errors import Echo2Error, HandshakeError, Timeout, TransportError
 from ..identity import Identity
-from ..peerlimit import ByteBudget, ConcurrencyLimiter, KeyedRateLimiter, LogThrottle
+from ..peerlimit import ByteBudget, ConcurrencyLimiter, KeyedRateLimiter, LogThrottle, address_key
 from .gossip import Gossip, GossipConfig, start_gossip
 from .libp2p_host import (
     build_host,
@@ -73,9 +73,9 @@ from .libp2p_host import (
     peer_str,
     remote_ip_of,
 )
-from .reqresp import RequestResponse, TrustPredicate
+from .reqresp import RequestResponse, TrustPredicate, remote_ip
 
-__all__ = ["ANNOUNCE_TOPIC", "ControlHost", "RequestLimits"]
+__all__ = ["ANNOUNCE_TOPIC", "ControlHost", "RequestLimits", "address_key", "remote_ip"]
 
 logger = logging.getLogger(__name__)
 
@@ -338,7 +338,7 @@ class ControlHost(RequestResponse, Gossip):
 
     def _count_connection(self, conn: INetConn, peer: str) -> bool:
         """Count a new connection against its IP; False if it is one too many (close it)."""
-        ip = remote_ip_of(conn.muxed_conn) or "?"
+        ip = address_key(remote_ip_of(conn.muxed_conn) or "?")
         if self._ip_conns[ip] >= self.limits.max_connections_per_ip and not self.trusts(peer):
             self._refuse("too_many_connections", peer, "connect",
                          f"more than {self.limits.max_connections_per_ip} connections from {ip}")

@@ -47,7 +47,7 @@ from ..framing import (
     encode_frame,
     encode_ok,
 )
-from ..peerlimit import ByteBudget, ConcurrencyLimiter, KeyedRateLimiter, LogThrottle
+from ..peerlimit import ByteBudget, ConcurrencyLimiter, KeyedRateLimiter, LogThrottle, address_key
 from .libp2p_host import parse_peer_addr, parse_peer_id, peer_str, remote_ip_of
 
 if TYPE_CHECKING:
@@ -256,7 +256,7 @@ class RequestResponse:
         if trusted:
             return _Charge([(self._trusted_bytes, peer)])
         # An address we cannot read is one more shared "unknown" address, never a free pass.
-        return _Charge([(self._stranger_peer_bytes, peer), (self._stranger_ip_bytes, ip or "?")])
+        return _Charge([(self._stranger_peer_bytes, peer), (self._stranger_ip_bytes, address_key(ip or "?"))])
 
     def _admit_stream(self, peer: str, protocol_id: str, ip_key: str | None) -> bytes | None:
         """An error reply if ``peer`` may not open this stream now; None (stream counted) if it may.
@@ -293,7 +293,7 @@ class RequestResponse:
             peer = peer_str(stream.muxed_conn.peer_id)
             ip = remote_ip_of(stream.muxed_conn)
             trusted = self.trusts(peer)
-            ip_key = None if trusted else (ip or "?")
+            ip_key = None if trusted else address_key(ip or "?")
             reply: bytes | None = self._admit_stream(peer, protocol_id, ip_key)
             if reply is None:
                 counted = True
