@@ -34,7 +34,7 @@ from echo2.protocol.messages import (
     Result,
     TaskDecline,
 )
-from echo2.protocol.net.control import ControlHost
+from echo2.protocol.net.control import ControlHost, address_key, remote_ip
 from echo2.protocol.net.dataplane import DataPlaneServer
 from echo2.protocol.peerlimit import KeyedRateLimiter
 from echo2.protocol.wire import MAX_RESULT, WORK_POLL_S
@@ -77,7 +77,7 @@ class Hub:
         )
         self.replay = envelope.ReplayGuard()
         self.gossip_replay = envelope.ReplayGuard(window_s=300.0, max_entries=100_000)
-        self._admission_bucket = KeyedRateLimiter(20.0, 50.0)
+        self._admission_bucket = KeyedRateLimiter(5.0, 20.0)  # per IP (A11)
         self.publisher = PolicyPublisher(self.identity, self.model_config, self.artifacts, cfg)
         info: Callable[[str], PeerInfo | None] = lambda peer: self.fleet.peer_info(peer)  # noqa: E731 (fleet comes later)
         self.sender = (
@@ -147,7 +147,7 @@ class Hub:
         req = envelope.open_envelope(data, AdmissionRequest, replay=self.replay, allowed=self._signed_by(peer, False)).message
         if req.peer_id != peer or req.announce.peer_id != peer:
             raise MeaningError("admission request names another peer")
-        if not self._admission_bucket.allow("all", trio.current_time()):
+        if not self._admission_bucket.allow(address_key(remote_ip() or peer), trio.current_time()):  # per IP: a source drains its own
             raise MeaningError("too many admission requests right now; retry later")
         admitted, reason = await self.fleet.admit(peer, req.join_token, req.announce, time.time())
         decision = AdmissionDecision(peer_id=peer, admitted=admitted, reason=reason, hub_data_addr=self.data_addr,

@@ -43,6 +43,7 @@ async def serve(hub: Hub) -> int:
     cfg = hub.cfg
     async with ControlHost(hub.identity, listen_port=cfg.listen_port, listen_host=cfg.listen_host, limits=limits) as host:
         hub.host = host
+        host.is_trusted = lambda pid: pid in hub.nodes and pid not in hub.fleet.banned  # strangers: small budgets (A1)
         for proto, handler, size in ((ADMISSION, hub.on_admission, MAX_CONTROL_REQUEST), (WORK, hub.on_work, MAX_CONTROL_REQUEST),
                                      (RESULT, hub.on_result, MAX_RESULT), (DECLINE, hub.on_decline, MAX_CONTROL_REQUEST),
                                      (HOLDS, hub.on_holds, MAX_CONTROL_REQUEST), (REPORT, hub.on_relay_report, MAX_CONTROL_REQUEST)):

@@ -54,6 +54,7 @@ from echo2.protocol.wire import (
 )
 
 from .chunkstore import ChunkStore
+from .delivery import deliver_until
 from .hardware import probe
 from .relay_runtime import RelayConfig, RelayNode
 from .tasks import TaskRefused, open_task
@@ -201,6 +202,7 @@ class Node:
         self._engine = select_engine(self.cfg.engine)
         log.info("node %s starting (engine %s, hub %s)", self.peer_id, self._engine.name, self.hub_peer)
         async with ControlHost(self.identity, listen_port=self.cfg.listen_port, listen_host=self.cfg.listen_host) as host:
+            host.is_trusted = lambda peer: peer == self.hub_peer  # anyone else gets a stranger's small budget
             self._addrs = list(host.addrs)
             decision = await self._admit(host)
             if decision is None:
@@ -520,7 +522,10 @@ class Node:
             tokens=tokens,
         )
         try:
-            await host.request(self.hub_peer, RESULT, envelope.seal(self.identity, result, ttl_s=300), max_response=MAX_CONTROL_REQUEST, timeout_s=30)
+            # kept through transient refusals (busy, timeouts) until the task's deadline (A1)
+            await deliver_until(lambda: host.request(self.hub_peer, RESULT, envelope.seal(self.identity, result, ttl_s=300),
+                                                     max_response=MAX_CONTROL_REQUEST, timeout_s=30),
+                                deadline=min(task.deadline, time.time() + 240), backoff=Backoff(base_s=0.5, cap_s=HUB_BACKOFF_CAP_S))
             self.stats.tasks_done += 1
             self.stats.tokens += tokens
         except RemoteError as exc:

@@ -8,13 +8,32 @@ parameter (``now``, seconds on any monotonic clock), so all of it is testable wi
 
 from __future__ import annotations
 
+import ipaddress
 import logging
 from collections import Counter, OrderedDict
 from collections.abc import Hashable
 
 from .tokenbucket import TokenBucket
 
-__all__ = ["ConcurrencyLimiter", "KeyedRateLimiter", "LogThrottle"]
+__all__ = ["ByteBudget", "address_key", "ConcurrencyLimiter", "KeyedRateLimiter", "LogThrottle"]
+
+
+def address_key(ip: str) -> str:
+    """The key a per-IP budget uses for ``ip``: the address itself for IPv4, its /64 for IPv6.
+
+    One IPv6 customer commonly holds a whole /64, so a per-address budget would give one
+    attacker 2**64 budgets. Anything that is not an IP address (e.g. a peer ID standing in for an
+    unknown address) is its own key.
+    """
+    try:
+        addr = ipaddress.ip_address(ip)
+    except ValueError:
+        return ip
+    if isinstance(addr, ipaddress.IPv6Address):
+        if addr.ipv4_mapped is not None:
+            return str(addr.ipv4_mapped)
+        return str(ipaddress.IPv6Network((addr, 64), strict=False))
+    return str(addr)
 
 
 class KeyedRateLimiter:
@@ -92,6 +111,56 @@ class ConcurrencyLimiter:
             self._open[key] = left
         else:
             self._open.pop(key, None)
+
+
+class ByteBudget:
+    """Bytes held per key, under a cap per key and a cap over all keys; refuse, never wait.
+
+    Charged as bytes actually arrive (:meth:`take`) and given back when the work holding them is
+    done (:meth:`give`), never reserved from what a peer merely announces: an announced length
+    costs the announcer nothing and so can crowd out nobody. Keys at zero are forgotten, so the
+    table holds only keys with bytes in flight.
+    """
+
+    def __init__(self, per_key: int, total: int) -> None:
+        if per_key < 1 or total < 1:
+            raise ValueError("byte budgets must be >= 1")
+        self.per_key = int(per_key)
+        self.total = int(total)
+        self.total_held = 0
+        self._held: Counter[Hashable] = Counter()
+        self.refused = 0
+
+    def __len__(self) -> int:
+        return len(self._held)
+
+    def held(self, key: Hashable) -> int:
+        return self._held.get(key, 0)
+
+    def can_take(self, key: Hashable, nbytes: int) -> bool:
+        return self._held.get(key, 0) + nbytes <= self.per_key and self.total_held + nbytes <= self.total
+
+    def take(self, key: Hashable, nbytes: int) -> bool:
+        """Charge ``nbytes`` to ``key``; False (nothing charged) if either cap would be passed."""
+        if nbytes < 0:
+            raise ValueError("nbytes must be >= 0")
+        if not self.can_take(key, nbytes):
+            self.refused += 1
+            return False
+        if nbytes:
+            self._held[key] += nbytes
+            self.total_held += nbytes
+        return True
+
+    def give(self, key: Hashable, nbytes: int) -> None:
+        held = self._held.get(key, 0)
+        nbytes = min(nbytes, held)
+        left = held - nbytes
+        if left > 0:
+            self._held[key] = left
+        else:
+            self._held.pop(key, None)
+        self.total_held -= nbytes
 
 
 class LogThrottle:

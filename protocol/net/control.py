@@ -33,9 +33,12 @@ This module holds the host's lifecycle, connections and bootstrap peers; the hos
 
 Hostile peers (:class:`RequestLimits`): each remote peer ID has a token bucket per protocol
 (refused with ``rate_limited`` before a byte of the request is read), a cap on the streams it
-holds open at once (``too_many_streams``), request bodies being received count against a
-budget over all peers (``busy``), and gossip is rate-limited per origin and topic. Refusals are
-counted in ``refusals`` by code; their log lines are thinned under a flood (:class:`LogThrottle`).
+holds open at once (``too_many_streams``), request bodies are charged as they arrive against byte
+budgets per peer (trusted peers, as :attr:`ControlHost.is_trusted` says) or per peer, per IP and
+over all strangers (``busy``), a body slower than a minimum rate is cut (``too_slow``), each
+remote IP may hold a bounded number of connections (the excess is closed), and gossip is
+rate-limited per origin and topic. Refusals are counted in ``refusals`` by code; their log lines
+are thinned under a flood (:class:`LogThrottle`).
 """
 
 from __future__ import annotations
@@ -58,7 +61,7 @@ from libp2p.pubsub.pubsub import Pubsub
 from ..backoff import backoff_delay
 from ..errors import Echo2Error, HandshakeError, Timeout, TransportError
 from ..identity import Identity
-from ..peerlimit import ConcurrencyLimiter, KeyedRateLimiter, LogThrottle
+from ..peerlimit import ByteBudget, ConcurrencyLimiter, KeyedRateLimiter, LogThrottle, address_key
 from .gossip import Gossip, GossipConfig, start_gossip
 from .libp2p_host import (
     build_host,
@@ -68,10 +71,11 @@ from .libp2p_host import (
     parse_peer_addr,
     parse_peer_id,
     peer_str,
+    remote_ip_of,
 )
-from .reqresp import RequestResponse
+from .reqresp import RequestResponse, TrustPredicate, remote_ip
 
-__all__ = ["ANNOUNCE_TOPIC", "ControlHost", "RequestLimits"]
+__all__ = ["ANNOUNCE_TOPIC", "ControlHost", "RequestLimits", "address_key", "remote_ip"]
 
 logger = logging.getLogger(__name__)
 
@@ -82,14 +86,22 @@ PeerCallback = Callable[[str], None]
 
 @dataclass(frozen=True)
 class RequestLimits:
-    """What one remote peer may ask of this host; every figure is per remote peer ID.
+    """What one remote peer may ask of this host; every figure is per remote peer ID or IP.
 
     The defaults are an order of magnitude above what an honest node does (one work long-poll,
     a result every task, a holds report per version: a few requests per second at most) and far
     below what a single core can answer, so a hostile peer cannot crowd out the rest. A
     protocol that needs other figures gets them in ``per_protocol`` (protocol ID -> (rate,
-    burst)). Fresh identities are free to make, so ``max_inflight_bytes`` bounds the memory all
-    peers together can pin with request bodies, whatever their number.
+    burst)).
+
+    Request bytes are charged as they arrive. A trusted (admitted) peer may hold
+    ``max_inflight_per_peer`` and all of them together ``max_inflight_bytes``. Fresh identities
+    are free to make, so strangers share nothing with them: each holds at most
+    ``stranger_inflight_per_peer``, each IP ``stranger_inflight_per_ip`` and ``max_stranger_streams_per_ip``
+    streams, all strangers ``stranger_inflight_bytes``. A body must arrive at
+    ``min_body_rate_Bps`` on average once ``body_grace_s`` has passed (a slow honest uplink of
+    32 KiB/s still passes). ``max_connections_per_ip`` bounds the control connections one address
+    holds (admitted peers behind it are never closed for it).
     """
 
     rate_per_s: float = 50.0
@@ -97,6 +109,14 @@ class RequestLimits:
     per_protocol: Mapping[str, tuple[float, float]] = field(default_factory=dict)
     max_streams_per_peer: int = 32
     max_inflight_bytes: int = 512 * 1024 * 1024
+    max_inflight_per_peer: int = 96 * 1024 * 1024
+    stranger_inflight_per_peer: int = 4 * 1024 * 1024 + 64 * 1024
+    stranger_inflight_per_ip: int = 16 * 1024 * 1024
+    stranger_inflight_bytes: int = 64 * 1024 * 1024
+    max_stranger_streams_per_ip: int = 64
+    min_body_rate_Bps: float = 32 * 1024
+    body_grace_s: float = 5.0
+    max_connections_per_ip: int = 64
     gossip_rate_per_s: float = 10.0  # messages per origin and topic handed to the handler
     gossip_burst: float = 30.0
     max_tracked_peers: int = 100_000
@@ -116,9 +136,18 @@ class _ConnNotifee(INotifee):
         return None
 
     async def connected(self, network: INetwork, conn: INetConn) -> None:
-        self._owner._fire(self._owner._on_connect, peer_str(conn.muxed_conn.peer_id), "connect")
+        peer = peer_str(conn.muxed_conn.peer_id)
+        if not self._owner._count_connection(conn, peer):
+            with trio.CancelScope(shield=True), trio.move_on_after(2.0):
+                try:
+                    await conn.close()
+                except Exception as exc:
+                    logger.debug("closing an excess connection from %s failed: %r", peer, exc)
+            return
+        self._owner._fire(self._owner._on_connect, peer, "connect")
 
     async def disconnected(self, network: INetwork, conn: INetConn) -> None:
+        self._owner._uncount_connection(conn)
         peer = peer_str(conn.muxed_conn.peer_id)
         self._owner._fire(self._owner._on_disconnect, peer, "disconnect")
 
@@ -172,8 +201,16 @@ class ControlHost(RequestResponse, Gossip):
         self._gossip_rate = KeyedRateLimiter(
             self.limits.gossip_rate_per_s, self.limits.gossip_burst, max_keys=self.limits.max_tracked_peers
         )
-        self._streams = ConcurrencyLimiter(self.limits.max_streams_per_peer)
-        self._inflight_bytes = 0
+        lim = self.limits
+        self._streams = ConcurrencyLimiter(lim.max_streams_per_peer)
+        self._stranger_streams = ConcurrencyLimiter(lim.max_stranger_streams_per_ip)
+        self._trusted_bytes = ByteBudget(lim.max_inflight_per_peer, lim.max_inflight_bytes)
+        self._stranger_peer_bytes = ByteBudget(lim.stranger_inflight_per_peer, lim.stranger_inflight_bytes)
+        self._stranger_ip_bytes = ByteBudget(lim.stranger_inflight_per_ip, lim.stranger_inflight_bytes)
+        #: Whom the owner has admitted (the hub: its nodes; a node: its hub); None trusts everyone.
+        self.is_trusted: TrustPredicate | None = None
+        self._conn_ips: dict[int, str] = {}  # id(conn) -> remote IP, for connections we counted
+        self._ip_conns: collections.Counter[str] = collections.Counter()
         self._log = LogThrottle(logger, self.limits.log_lines_per_s)
         self._keypair = keypair_from_identity(identity)
         self._host: IHost | None = None
@@ -298,6 +335,41 @@ class ControlHost(RequestResponse, Gossip):
                 cb(peer)
             except Exception:
                 logger.exception("%s callback failed for peer %s", what, peer)
+
+    def _count_connection(self, conn: INetConn, peer: str) -> bool:
+        """Count a new connection against its IP; False if it is one too many (close it)."""
+        ip = address_key(remote_ip_of(conn.muxed_conn) or "?")
+        if self._ip_conns[ip] >= self.limits.max_connections_per_ip and not self.trusts(peer):
+            self._refuse("too_many_connections", peer, "connect",
+                         f"more than {self.limits.max_connections_per_ip} connections from {ip}")
+            return False
+        self._conn_ips[id(conn)] = ip
+        self._ip_conns[ip] += 1
+        return True
+
+    def _uncount_connection(self, conn: INetConn) -> None:
+        ip = self._conn_ips.pop(id(conn), None)
+        if ip is None:
+            return
+        left = self._ip_conns[ip] - 1
+        if left > 0:
+            self._ip_conns[ip] = left
+        else:
+            self._ip_conns.pop(ip, None)
+
+    def remote_ip(self, peer_id: str) -> str | None:
+        """The IP address ``peer_id`` is connected from (its first live connection), if any."""
+        if self._host is None:
+            return None
+        try:
+            conns = self._host.get_network().get_connections(parse_peer_id(peer_id))
+        except Exception:
+            return None
+        for conn in conns:
+            ip = remote_ip_of(conn.muxed_conn)
+            if ip:
+                return ip
+        return None
 
     def connected_peers(self) -> list[str]:
         if self._host is None:

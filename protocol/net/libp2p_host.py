@@ -92,6 +92,17 @@ def peer_str(peer: ID) -> str:
     return peer.to_base58()
 
 
+def remote_ip_of(muxed_conn: object) -> str | None:
+    """The remote IP address of a muxed connection, or None where the transport cannot tell."""
+    try:
+        addr = muxed_conn.get_remote_address()  # type: ignore[attr-defined]
+    except Exception:
+        return None
+    if not addr:
+        return None
+    return str(addr[0])
+
+
 def parse_peer_addr(addr: str) -> PeerInfo:
     try:
         return info_from_p2p_addr(multiaddr.Multiaddr(addr))

@@ -10,16 +10,24 @@ can, logs with the peer ID and counts the refusal.
 
 Limits on what a remote peer may ask (:class:`~echo2.protocol.net.control.RequestLimits`): a token
 bucket per peer and protocol (``rate_limited``, before a byte of the request is read), a cap on
-the streams a peer holds open (``too_many_streams``), and a budget of request bytes in flight over
-all peers (``busy``).
+the streams a peer holds open (``too_many_streams``; for peers the owner has not admitted, per IP
+too), byte budgets charged as the body actually arrives (``busy``) and a minimum body rate
+(``too_slow``). An announced length costs its announcer nothing: a stream that announces 64 MiB
+and sends nothing holds no budget and is cut once it falls below the minimum rate.
+
+Whom the owner trusts (its admitted peers; for a node, its hub) is :attr:`is_trusted`. A trusted
+peer's bytes count against its own per-peer budget and a pool of trusted peers; anyone else's
+against a small budget per peer ID, per IP and over all strangers together. The two pools share
+nothing, so no number of strangers can make an admitted peer's request ``busy``.
 """
 
 from __future__ import annotations
 
 import collections
+import contextvars
 import logging
 import secrets
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Hashable
 from typing import TYPE_CHECKING
 
 import trio
@@ -39,8 +47,8 @@ from ..framing import (
     encode_frame,
     encode_ok,
 )
-from ..peerlimit import ConcurrencyLimiter, KeyedRateLimiter, LogThrottle
-from .libp2p_host import parse_peer_addr, parse_peer_id, peer_str
+from ..peerlimit import ByteBudget, ConcurrencyLimiter, KeyedRateLimiter, LogThrottle, address_key
+from .libp2p_host import parse_peer_addr, parse_peer_id, peer_str, remote_ip_of
 
 if TYPE_CHECKING:
     from .control import RequestLimits
@@ -51,6 +59,49 @@ PING_PROTOCOL = "/ipfs/ping/1.0.0"
 _PING_LENGTH = 32
 
 Handler = Callable[[str, bytes], Awaitable[bytes]]
+TrustPredicate = Callable[[str], bool]
+
+_REMOTE_IP: contextvars.ContextVar[str | None] = contextvars.ContextVar("echo2_remote_ip", default=None)
+
+
+def remote_ip() -> str | None:
+    """The IP address of the peer whose request the calling handler is serving (None outside one).
+
+    A context lookup rather than a handler argument, so handlers that need no address keep their
+    (peer, data) signature.
+    """
+    return _REMOTE_IP.get()
+
+
+class _Charge:
+    """The bytes one request body holds in a set of budgets, taken as they arrive, all or none."""
+
+    def __init__(self, accounts: list[tuple[ByteBudget, Hashable]]) -> None:
+        self.accounts = accounts
+        self.held = 0
+
+    def take(self, nbytes: int) -> bool:
+        if not all(budget.can_take(key, nbytes) for budget, key in self.accounts):
+            for budget, _key in self.accounts:
+                budget.refused += 1
+            return False
+        for budget, key in self.accounts:
+            budget.take(key, nbytes)
+        self.held += nbytes
+        return True
+
+    def release(self) -> None:
+        for budget, key in self.accounts:
+            budget.give(key, self.held)
+        self.held = 0
+
+
+class _Refused(Echo2Error):
+    """A request body refused while it arrived (over budget, too slow); the reply names the code."""
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(message)
+        self.code = code
 
 
 async def read_exactly(stream: INetStream, n: int) -> bytes:
@@ -132,7 +183,11 @@ class RequestResponse:
     refusals: collections.Counter[str]
     _rate: dict[str, KeyedRateLimiter]
     _streams: ConcurrencyLimiter
-    _inflight_bytes: int
+    _stranger_streams: ConcurrencyLimiter
+    _trusted_bytes: ByteBudget
+    _stranger_peer_bytes: ByteBudget
+    _stranger_ip_bytes: ByteBudget
+    is_trusted: TrustPredicate | None
     _log: LogThrottle
     _host: IHost | None
     _handlers: dict[str, Callable[[INetStream], Awaitable[None]]]
@@ -182,14 +237,43 @@ class RequestResponse:
             self._rate[protocol_id] = lim
         return lim
 
-    def _admit_stream(self, peer: str, protocol_id: str) -> bytes | None:
-        """An error reply if ``peer`` may not open this stream now; None (stream counted) if it may."""
+    @property
+    def _inflight_bytes(self) -> int:
+        """Request bytes held right now, trusted and strangers together."""
+        return self._trusted_bytes.total_held + self._stranger_peer_bytes.total_held
+
+    def trusts(self, peer: str) -> bool:
+        """Whether ``peer`` gets a trusted peer's budgets (everyone, until an owner says otherwise)."""
+        if self.is_trusted is None:
+            return True
+        try:
+            return bool(self.is_trusted(peer))
+        except Exception:
+            logger.exception("trust predicate failed for %s; treating it as a stranger", peer)
+            return False
+
+    def _charge_for(self, peer: str, ip: str | None, trusted: bool) -> _Charge:
+        if trusted:
+            return _Charge([(self._trusted_bytes, peer)])
+        # An address we cannot read is one more shared "unknown" address, never a free pass.
+        return _Charge([(self._stranger_peer_bytes, peer), (self._stranger_ip_bytes, address_key(ip or "?"))])
+
+    def _admit_stream(self, peer: str, protocol_id: str, ip_key: str | None) -> bytes | None:
+        """An error reply if ``peer`` may not open this stream now; None (stream counted) if it may.
+
+        ``ip_key`` is the stranger's address, counted too (fresh peer IDs are free to make).
+        """
         if not self._rate_limiter(protocol_id).allow(peer, trio.current_time()):
             msg = f"more than {self._rate_limiter(protocol_id).rate_per_s:g} requests/s on {protocol_id}"
             self._refuse("rate_limited", peer, protocol_id, msg)
             return encode_error("rate_limited", msg)
         if not self._streams.acquire(peer):
             msg = f"more than {self._streams.limit} concurrent streams"
+            self._refuse("too_many_streams", peer, protocol_id, msg)
+            return encode_error("too_many_streams", msg)
+        if ip_key is not None and not self._stranger_streams.acquire(ip_key):
+            self._streams.release(peer)
+            msg = f"more than {self._stranger_streams.limit} concurrent streams from this address"
             self._refuse("too_many_streams", peer, protocol_id, msg)
             return encode_error("too_many_streams", msg)
         return None
@@ -204,13 +288,22 @@ class RequestResponse:
     ) -> None:
         peer = "?"
         counted = False
+        ip_key: str | None = None
         try:
             peer = peer_str(stream.muxed_conn.peer_id)
-            reply: bytes | None = self._admit_stream(peer, protocol_id)
+            ip = remote_ip_of(stream.muxed_conn)
+            trusted = self.trusts(peer)
+            ip_key = None if trusted else address_key(ip or "?")
+            reply: bytes | None = self._admit_stream(peer, protocol_id, ip_key)
             if reply is None:
                 counted = True
-                with trio.move_on_after(timeout_s) as scope:
-                    reply = await self._answer(stream, peer, protocol_id, handler, max_request)
+                token = _REMOTE_IP.set(ip)
+                try:
+                    with trio.move_on_after(timeout_s) as scope:
+                        reply = await self._answer(stream, peer, protocol_id, handler, max_request,
+                                                   self._charge_for(peer, ip, trusted))
+                finally:
+                    _REMOTE_IP.reset(token)
                 if scope.cancelled_caught:
                     self._refuse("timeout", peer, protocol_id, f"no reply within {timeout_s:g} s")
                     reply = encode_error("timeout", f"no reply within {timeout_s:g} s")
@@ -234,6 +327,40 @@ class RequestResponse:
         finally:
             if counted:
                 self._streams.release(peer)
+                if ip_key is not None:
+                    self._stranger_streams.release(ip_key)
+
+    async def _read_body(self, stream: INetStream, length: int, charge: _Charge) -> bytes:
+        """The request body, each chunk charged as it arrives, at no less than the minimum rate.
+
+        The body must keep up with ``min_body_rate_Bps`` on average once ``body_grace_s`` has
+        passed: a stream that trickles holds its slot no longer than that, whatever it announced.
+        """
+        limits = self.limits
+        start = trio.current_time()
+        buf = bytearray()
+        while len(buf) < length:
+            deadline = start + limits.body_grace_s + len(buf) / limits.min_body_rate_Bps
+            chunk = b""
+            with trio.move_on_at(deadline) as scope:
+                try:
+                    chunk = await stream.read(min(length - len(buf), _WRITE_CHUNK))
+                except StreamEOF:
+                    chunk = b""
+                except Exception as exc:  # StreamReset, StreamError, muxer errors: all transport failures
+                    raise TransportError(f"stream failed after {len(buf)} of {length} bytes: {exc!r}") from exc
+            if scope.cancelled_caught:
+                raise _Refused(
+                    "too_slow",
+                    f"request body slower than {limits.min_body_rate_Bps:g} B/s "
+                    f"({len(buf)} of {length} bytes in {trio.current_time() - start:.1f} s)",
+                )
+            if not chunk:
+                raise TransportError(f"truncated frame: stream ended after {len(buf)} of {length} bytes")
+            if not charge.take(len(chunk)):
+                raise _Refused("busy", f"too many request bytes in flight from this peer ({length} announced); retry later")
+            buf += chunk
+        return bytes(buf)
 
     async def _answer(
         self,
@@ -242,6 +369,7 @@ class RequestResponse:
         protocol_id: str,
         handler: Handler,
         max_request: int,
+        charge: _Charge,
     ) -> bytes | None:
         """The response body for one request, or None when the stream is beyond replying to."""
         try:
@@ -253,16 +381,19 @@ class RequestResponse:
         except Echo2Error as exc:
             self._refuse(exc.code, peer, protocol_id, exc.message)
             return None
-        budget = self.limits.max_inflight_bytes
-        if self._inflight_bytes + length > budget:
-            msg = f"too many request bytes in flight ({self._inflight_bytes} + {length} > {budget}); retry later"
-            self._refuse("busy", peer, protocol_id, msg)
-            return encode_error("busy", msg)
+        cap = min(budget.per_key for budget, _key in charge.accounts)
+        if length > cap:
+            # Could never fit this peer's budget, whatever else is in flight: not worth a retry.
+            msg = f"request of {length} bytes exceeds this peer's budget of {cap}"
+            self._refuse("too_large", peer, protocol_id, msg)
+            return encode_error("too_large", msg)
         # Held until the handler is done with the body, not only while it arrives.
-        self._inflight_bytes += length
         try:
             try:
-                request = await read_exactly(stream, length) if length else b""
+                request = await self._read_body(stream, length, charge) if length else b""
+            except _Refused as exc:
+                self._refuse(exc.code, peer, protocol_id, exc.message)
+                return encode_error(exc.code, exc.message)
             except Echo2Error as exc:
                 self._refuse(exc.code, peer, protocol_id, exc.message)
                 return None
@@ -276,7 +407,7 @@ class RequestResponse:
                 logger.exception("handler for %s failed on a request from %s", protocol_id, peer)
                 return encode_error("internal", f"internal error ({type(exc).__name__})")
         finally:
-            self._inflight_bytes -= length
+            charge.release()
 
     async def _open_stream(self, peer: str, protocol_ids: list[str], deadline: float) -> INetStream:
         host = self._require_host()

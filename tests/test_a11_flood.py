@@ -1,0 +1,123 @@
+"""A11 connection-flood: control-plane connections are capped per remote IP (admitted peers are never
+closed for it), and the hub's admission bucket is per IP, so one source drains only its own.
+
+Real ControlHosts on 127.0.0.1; the admission part calls a real hub's handler with the remote IP a
+ControlHost would have set (every test peer is 127.0.0.1, so the address is set by hand there).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import trio
+
+from echo2.learner_hub.config import HubConfig
+from echo2.learner_hub.hub import Hub
+from echo2.protocol import envelope
+from echo2.protocol.errors import MeaningError
+from echo2.protocol.identity import Identity
+from echo2.protocol.messages import AdmissionRequest, Announce
+from echo2.protocol.net import reqresp
+from echo2.protocol.net.control import ControlHost, RequestLimits, address_key
+
+ECHO = "/echo2/test-a11/1.0.0"
+
+
+def run(fn: Callable[[], Awaitable[Any]], limit_s: float = 40.0) -> Any:
+    async def main() -> Any:
+        with trio.fail_after(limit_s):
+            return await fn()
+
+    return trio.run(main)
+
+
+async def echo(_peer: str, data: bytes) -> bytes:
+    return data
+
+
+def test_a11_address_key_groups_an_ipv6_64() -> None:
+    assert address_key("203.0.113.7") == "203.0.113.7"
+    assert address_key("2001:db8:1:2::1") == address_key("2001:db8:1:2:ffff::9") == "2001:db8:1:2::/64"
+    assert address_key("2001:db8:1:3::1") != address_key("2001:db8:1:2::1")
+    assert address_key("::ffff:203.0.113.7") == "203.0.113.7"
+    assert address_key("not-an-ip") == "not-an-ip"
+
+
+def test_a11_connections_capped_per_ip() -> None:
+    async def main() -> None:
+        limits = RequestLimits(max_connections_per_ip=2)
+        async with ControlHost(Identity.generate(), gossip=False, limits=limits) as server:
+            server.set_handler(ECHO, echo, max_request=1024)
+            addr = server.addrs[0]
+            async with ControlHost(Identity.generate(), gossip=False) as honest:
+                server.is_trusted = lambda peer: peer == honest.peer_id
+                await honest.connect(addr)
+                async with contextlib.AsyncExitStack() as stack:
+                    attackers = [
+                        await stack.enter_async_context(ControlHost(Identity.generate(), gossip=False)) for _ in range(4)
+                    ]
+                    for a in attackers:
+                        try:
+                            await a.connect(addr)
+                        except Exception:
+                            pass  # a refused connection may fail the dial itself
+                    with trio.move_on_after(5.0):
+                        while server.refusals["too_many_connections"] < 3:
+                            await trio.sleep(0.05)
+                    await trio.sleep(0.3)
+                    connected = set(server.connected_peers())
+                    assert server.refusals["too_many_connections"] == 3
+                    assert len(connected & {a.peer_id for a in attackers}) == 1  # 2 per IP, the honest one included
+                    assert sum(server._ip_conns.values()) == 2
+                    # the admitted peer is still served, and may add connections past the cap
+                    assert await honest.request(addr, ECHO, b"hi", max_response=64) == b"hi"
+                    async with ControlHost(Identity.generate(), gossip=False) as late:
+                        server.is_trusted = lambda peer: peer in {honest.peer_id, late.peer_id}
+                        assert await late.request(addr, ECHO, b"yo", max_response=64) == b"yo"
+
+    run(main)
+
+
+def _announce(peer: str) -> Announce:
+    return Announce(
+        peer_id=peer, software_version="0.1.0", accelerator="", accelerator_count=0, accelerator_memory_bytes=0,
+        cpu_model="test", cpu_cores=1, ram_bytes=1 << 30, free_disk_bytes=1 << 30, engine="transformers",
+        engine_version="", tokens_per_s=0.0, rollouts_per_s=10.0, upload_MBps=0.0, download_MBps=0.0,
+        price_usd_per_hour=0.1, listen_addrs=[], data_addr="", reachable=False, versions_held=[],
+        max_upload_MBps=0.0,
+    )
+
+
+@pytest.fixture()
+def hub(tmp_path: Path) -> Hub:
+    cfg = HubConfig(dir=str(tmp_path), steps=10, prompts_per_step=2, group_size=4, staleness=1, max_new_tokens=4)
+    return Hub(cfg)
+
+
+def test_a11_admission_bucket_is_per_ip(hub: Hub) -> None:
+    async def admit_from(ip: str, node: Identity) -> bool:
+        token = reqresp._REMOTE_IP.set(ip)  # what ControlHost sets while serving a stream from ip
+        try:
+            req = AdmissionRequest(peer_id=node.peer_id, join_token="", announce=_announce(node.peer_id))
+            await hub.on_admission(node.peer_id, envelope.seal(node, req))
+            return True
+        except MeaningError as exc:
+            assert "too many admission requests" in exc.message
+            return False
+        finally:
+            reqresp._REMOTE_IP.reset(token)
+
+    async def main() -> None:
+        flood = [await admit_from("198.51.100.9", Identity.generate()) for _ in range(80)]
+        assert flood.count(False) >= 40  # the flooding address is throttled...
+        # ...and an honest node on another address is admitted at once
+        assert await admit_from("203.0.113.5", Identity.generate())
+
+    try:
+        run(main)
+    finally:
+        hub.store.close()
