@@ -523,6 +523,7 @@ class Node:
             await host.request(self.hub_peer, RESULT, envelope.seal(self.identity, result, ttl_s=300), max_response=MAX_CONTROL_REQUEST, timeout_s=30)
             self.stats.tasks_done += 1
             self.stats.tokens += tokens
+            log.info("result of task %s accepted", task.task_id)  # what the crash bench counts as acknowledged
         except RemoteError as exc:
             self.stats.results_refused += 1
             log.warning("hub refused result of task %s: %s", task.task_id, exc)
