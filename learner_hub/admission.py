@@ -14,7 +14,10 @@ are the canonical msgpack of ``{"hub", "exp", "iat", "nonce", "scope": "join"}``
 optional ``"peer"`` binding the token to one node; the signature is the hub's Ed25519 signature
 over a domain prefix plus the claims bytes, so a token signed for another purpose or by another
 hub never verifies here. A token may be used by many nodes until it expires (a fleet invite);
-bind it with ``peer`` for a single node.
+bind it with ``peer`` for a single node, or cap it with ``max_uses`` (a signed claim: that many
+distinct nodes). A token's id (:func:`token_id`, from its nonce) names it to
+`echo2 hub token revoke ID`; the hub's store counts each token's uses and keeps revocations, so
+both hold across restarts (``HubStore.use_token``).
 """
 
 from __future__ import annotations
@@ -51,6 +54,20 @@ class Decision(NamedTuple):
     admitted: bool
     reason: str  # human readable: sent to the node and logged
     code: str  # stable: counted in metrics and stored with the admission log
+    token_id: str = ""  # admitted on a join token: its id, whose use the caller must count
+    max_uses: int | None = None  # that token's signed cap on distinct nodes
+
+
+MAX_TOKEN_USES = 1_000_000
+_TOKEN_REFUSALS = {
+    "token_revoked": "this join token was revoked by the hub's operator; ask for a new one",
+    "token_used_up": "this join token has been used by as many nodes as it allows; ask for a new one",
+}
+
+
+def token_id(nonce: bytes) -> str:
+    """The short public name of a token (its nonce's first 8 bytes, hex): what revoke takes."""
+    return nonce[:8].hex()
 
 
 def parse_duration(text: str) -> float:
@@ -84,11 +101,20 @@ def _b64d(s: str) -> bytes:
 
 
 def make_join_token(
-    identity: Identity, *, ttl_s: float, now: float, peer_id: str | None = None, nonce: bytes | None = None
+    identity: Identity,
+    *,
+    ttl_s: float,
+    now: float,
+    peer_id: str | None = None,
+    nonce: bytes | None = None,
+    max_uses: int | None = None,
 ) -> str:
-    """A join token signed by the hub ``identity``, valid for ``ttl_s`` seconds from ``now``."""
+    """A join token signed by the hub ``identity``, valid for ``ttl_s`` seconds from ``now``,
+    for at most ``max_uses`` distinct nodes (None: no cap)."""
     if not math.isfinite(ttl_s) or ttl_s <= 0:
         raise ValueError("ttl_s must be > 0")
+    if max_uses is not None and not 1 <= max_uses <= MAX_TOKEN_USES:
+        raise ValueError(f"max_uses must be in [1, {MAX_TOKEN_USES}]")
     claims: dict[str, Any] = {
         "hub": identity.peer_id,
         "exp": float(now + ttl_s),
@@ -98,6 +124,8 @@ def make_join_token(
     }
     if peer_id is not None:
         claims["peer"] = peer_id
+    if max_uses is not None:
+        claims["max_uses"] = int(max_uses)
     raw = canonical.encode(claims)
     sig = identity.sign(_SIGNING_DOMAIN + raw)
     return f"{TOKEN_PREFIX}{_b64e(raw)}.{_b64e(sig)}"
@@ -119,13 +147,15 @@ def verify_join_token(token: str, hub_peer_id: str, now: float, peer_id: str | N
     except Echo2Error as exc:
         raise JoinTokenError(f"join token claims do not decode: {exc.message}") from exc
     required = {"hub": str, "exp": float, "iat": float, "nonce": bytes, "scope": str}
-    if not isinstance(claims, dict) or not set(required) <= set(claims) <= set(required) | {"peer"}:
+    if not isinstance(claims, dict) or not set(required) <= set(claims) <= set(required) | {"peer", "max_uses"}:
         raise JoinTokenError("join token claims have the wrong fields")
     for k, t in required.items():
         if type(claims[k]) is not t:
             raise JoinTokenError(f"join token claim {k!r} has the wrong type")
     if "peer" in claims and type(claims["peer"]) is not str:
         raise JoinTokenError("join token claim 'peer' has the wrong type")
+    if "max_uses" in claims and (type(claims["max_uses"]) is not int or not 1 <= claims["max_uses"] <= MAX_TOKEN_USES):
+        raise JoinTokenError("join token claim 'max_uses' has the wrong type or range")
     if claims["scope"] != "join":
         raise JoinTokenError(f"join token scope is {claims['scope'][:32]!r}, not 'join'")
     if claims["hub"] != hub_peer_id:
@@ -163,6 +193,11 @@ class AdmissionPolicy:
         self._ban_reason = ban_reason
         self._is_allowed = is_allowed
 
+    @staticmethod
+    def token_refusal(code: str) -> str:
+        """The message for a store's refusal of a valid token (``HubStore.use_token``)."""
+        return _TOKEN_REFUSALS.get(code, "this join token cannot be used")
+
     def allowed(self, peer_id: str) -> bool:
         return peer_id in self.allowlist or self._is_allowed(peer_id)
 
@@ -191,7 +226,7 @@ class AdmissionPolicy:
                 "token_required",
             )
         try:
-            verify_join_token(join_token, self.hub_peer_id, now, peer_id)
+            claims = verify_join_token(join_token, self.hub_peer_id, now, peer_id)
         except JoinTokenError as exc:
             return Decision(False, exc.message, "bad_join_token")
-        return Decision(True, "admitted (valid join token)", "token")
+        return Decision(True, "admitted (valid join token)", "token", token_id(claims["nonce"]), claims.get("max_uses"))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import re
 import sys
 import time
 from pathlib import Path
@@ -31,9 +32,16 @@ def register(parser: argparse.ArgumentParser) -> None:
     admit.add_argument("--note", default="")
     dir_arg(admit)
     admit.set_defaults(func=_admit)
-    token = sub.add_parser("token", help="print a signed join token", description="print a join token signed by the hub's key")
+    token = sub.add_parser(
+        "token", help="print a signed join token (or: token revoke ID, token list)",
+        description="print a join token signed by the hub's key (its id goes to stderr); "
+        "`token revoke ID` refuses every later admission with it; `token list` shows tokens and their uses",
+    )
+    token.add_argument("action", nargs="?", choices=["revoke", "list"], help="revoke a token by id, or list tokens")
+    token.add_argument("token_id", nargs="?", help="the token id to revoke (printed when the token was made)")
     token.add_argument("--expires", default="7d", help="lifetime, e.g. 30m, 12h, 7d (default 7d)")
     token.add_argument("--peer", default=None, help="bind the token to one peer ID")
+    token.add_argument("--max-uses", type=int, default=None, help="at most this many distinct nodes may join with it")
     dir_arg(token)
     token.set_defaults(func=_token)
     nodes = sub.add_parser("nodes", help="the fleet: hardware, price, measured rate, reputation, state, cost", description="the fleet table")
@@ -108,12 +116,37 @@ def _admit(args: argparse.Namespace) -> int:
 
 
 def _token(args: argparse.Namespace) -> int:
-    from echo2.keyfile import load_identity
-    from echo2.learner_hub.admission import make_join_token, parse_duration
+    import secrets
 
+    from echo2.keyfile import load_identity
+    from echo2.learner_hub.admission import MAX_TOKEN_USES, make_join_token, parse_duration, token_id
+
+    if args.action == "revoke":
+        if not args.token_id or not re.fullmatch(r"[0-9a-f]{16}", args.token_id):
+            raise SystemExit("usage: echo2 hub token revoke TOKEN_ID (16 hex digits, printed when the token was made)")
+        with _store(args.dir) as store:
+            known = store.revoke_token(args.token_id, time.time())
+        print(f"revoked join token {args.token_id}" + ("" if known else " (not made by this hub's store: revoked anyway)"))
+        return 0
+    if args.action == "list":
+        with _store(args.dir) as store:
+            for t in store.tokens():
+                state = "revoked" if t.revoked_at is not None else ("expired" if t.expires < time.time() else "valid")
+                cap = "unlimited" if t.max_uses is None else str(t.max_uses)
+                print(f"{t.token_id}  {state:7}  uses {t.uses}/{cap}  peer {t.peer or '-'}")
+        return 0
+    if args.token_id:
+        raise SystemExit("a token id is only taken by `echo2 hub token revoke ID`")
+    if args.max_uses is not None and not 1 <= args.max_uses <= MAX_TOKEN_USES:
+        raise SystemExit(f"--max-uses must be in [1, {MAX_TOKEN_USES}]")
     ttl = parse_duration(args.expires)
     ident = load_identity(args.dir / "hub.key")
-    print(make_join_token(ident, ttl_s=ttl, now=time.time(), peer_id=args.peer))
+    now, nonce = time.time(), secrets.token_bytes(16)
+    tok = make_join_token(ident, ttl_s=ttl, now=now, peer_id=args.peer, nonce=nonce, max_uses=args.max_uses)
+    with _store(args.dir) as store:
+        store.record_token(token_id(nonce), now, now + ttl, args.max_uses, args.peer)
+    print(tok)
+    print(f"token id {token_id(nonce)} (revoke with: echo2 hub token revoke {token_id(nonce)})", file=sys.stderr)
     return 0
 
 

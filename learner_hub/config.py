@@ -80,6 +80,9 @@ class HubConfig:
     checkpoint_every: Annotated[int, _doc("checkpoint policy, optimizer and step every K steps (restart resumes)", ge=0)] = 10
     logprob_tolerance: Annotated[float, _doc("node log-probs must match the learner's recompute within this", ge=0)] = 1e-3
     relay_report_quorum: Annotated[int, _doc("distinct peers reporting corrupt relayed chunks that ban a relay", ge=1)] = 2
+    max_price: Annotated[float, _doc("highest $/hour a node may ask; one asking more is not admitted", ge=0, le=1e6)] = 100.0
+    max_claimed_rate: Annotated[float, _doc("a node claiming more rollouts/s than this is not admitted", gt=0, le=1e9)] = 1e4
+    price_change_every_s: Annotated[float, _doc("a node's price moves at most once per this many seconds (an increase at most x2)", ge=0)] = 600.0
     allowlist: Annotated[list[str], _doc("peer IDs admitted in allowlist mode (also: echo2 hub admit PEER_ID)")] = field(
         default_factory=list
     )

@@ -115,6 +115,10 @@ class NodeState:
     busy_until: float = -math.inf  # when the node's queued work is expected to be done
     last_done_at: float = -math.inf
     completed_tasks: int = 0
+    # True while ``rate`` is only the node's own claim: the node is on probation (small tasks,
+    # one at a time, weighed at no more than the fleet's median measured rate) until the hub has
+    # timed a task of its own
+    claimed: bool = False
 
 
 @dataclass
@@ -144,6 +148,7 @@ class DispatchConfig:
     ewma_alpha: float = 0.3  # weight of the newest observation in the node rate
     min_rate: float = 1e-3  # floor so a node with a bad observation still gets 1-prompt tasks
     closed_memory: int = 100_000  # closed task ids remembered for duplicate detection
+    probation_groups: int = 1  # prompt groups per task of a node whose rate the hub has not timed
 
     def __post_init__(self) -> None:
         if self.staleness < 0:
@@ -177,12 +182,13 @@ class Dispatcher:
     def submit(self, groups: Iterable[PromptGroup]) -> None:
         self.queue.extend(groups)
 
-    def add_node(self, node_id: str, rate: float, *, active: bool = True) -> None:
-        """Register (or refresh) a node; ``rate`` is the announced/measured rollouts per second,
-        used until hub-timed results replace it."""
+    def add_node(self, node_id: str, rate: float, *, active: bool = True, claimed: bool = False) -> None:
+        """Register (or refresh) a node; ``rate`` is its rollouts per second, used until hub-timed
+        results replace it. ``claimed``: the figure is the node's own word (its Announce), so the
+        node is on probation until the hub has timed one of its tasks."""
         st = self.nodes.get(node_id)
         if st is None:
-            self.nodes[node_id] = NodeState(node_id, max(rate, self.config.min_rate), active)
+            self.nodes[node_id] = NodeState(node_id, max(rate, self.config.min_rate), active, claimed=claimed)
         else:
             st.active = active
 
@@ -196,6 +202,29 @@ class Dispatcher:
     def rate_of(self, node_id: str) -> float:
         return self.nodes[node_id].rate
 
+    def measured_rate(self, node_id: str) -> float | None:
+        """The hub-timed rate, or None while the node's figure is only its claim."""
+        st = self.nodes.get(node_id)
+        return None if st is None or st.claimed else st.rate
+
+    def timed_tasks(self, node_id: str) -> int:
+        st = self.nodes.get(node_id)
+        return 0 if st is None else st.completed_tasks
+
+    def _reference_rate(self) -> float | None:
+        """The median hub-timed rate of the fleet: what a node on probation is weighed at, at most."""
+        timed = sorted(st.rate for st in self.nodes.values() if not st.claimed)
+        return timed[len(timed) // 2] if timed else None
+
+    def planning_rate(self, node_id: str) -> float:
+        """The rate to plan with: measured if timed, else the claim capped at the fleet's median
+        measured rate (a claim alone never outweighs what the hub has seen)."""
+        st = self.nodes[node_id]
+        if not st.claimed:
+            return st.rate
+        ref = self._reference_rate()
+        return st.rate if ref is None else min(st.rate, ref)
+
     # ---- decisions -------------------------------------------------------------------------
     def next_tasks(self, now: float, learner_version: int) -> list[TaskAssignment]:
         """Fill every active node up to ``max_in_flight_per_node`` tasks, fastest node first, each
@@ -203,11 +232,12 @@ class Dispatcher:
         cfg = self.config
         out: list[TaskAssignment] = []
         min_version = max(0, learner_version - cfg.staleness)
-        order = sorted((st for st in self.nodes.values() if st.active), key=lambda s: (-s.rate, s.node_id))
+        weight = {nid: self.planning_rate(nid) for nid, st in self.nodes.items() if st.active}
+        order = sorted((st for st in self.nodes.values() if st.active), key=lambda s: (-weight[s.node_id], s.node_id))
         progress = True
         # A node's task never takes more than its rate-weighted share of the queue: one fast node
         # must not swallow a whole batch while the others idle.
-        total_rate = sum(st.rate for st in order) or 1.0
+        total_rate = sum(weight.values()) or 1.0
         queued = len(self.queue)
         # Round-robin over nodes (one task per node per round) so a short queue is spread out
         # rather than handed wholesale to the first node.
@@ -216,9 +246,11 @@ class Dispatcher:
             for st in order:
                 if not self.queue:
                     break
-                if len(st.in_flight) >= cfg.max_in_flight_per_node:
+                if len(st.in_flight) >= (1 if st.claimed else cfg.max_in_flight_per_node):
                     continue
-                share = max(1, math.ceil(queued * st.rate / total_rate))
+                share = max(1, math.ceil(queued * weight[st.node_id] / total_rate))
+                if st.claimed:
+                    share = min(share, cfg.probation_groups)
                 task = self._make_task(now, st, min_version, share)
                 out.append(task)
                 progress = True
@@ -314,7 +346,9 @@ class Dispatcher:
         if elapsed <= 0:
             return
         obs = task.n_rollouts / elapsed
-        a = self.config.ewma_alpha
+        # the first timing replaces a claim outright: a claim never enters the average
+        a = 1.0 if st.claimed else self.config.ewma_alpha
+        st.claimed = False
         st.rate = max(self.config.min_rate, a * obs + (1 - a) * st.rate)
 
     def assignee(self, task_id: str) -> str | None:
@@ -363,7 +397,7 @@ class Dispatcher:
     def seed_rate(self, node_id: str, rate: float) -> None:
         """Use a node's own measured rate until the hub has timed one of its tasks."""
         st = self.nodes.get(node_id)
-        if st is not None and st.completed_tasks == 0 and rate > 0:
+        if st is not None and st.claimed and st.completed_tasks == 0 and rate > 0:
             st.rate = max(self.config.min_rate, rate)
 
     def _close(self, task: TaskAssignment, later: VerdictCode, *, requeue: bool) -> None:

@@ -18,18 +18,21 @@ from echo2.protocol.errors import MeaningError
 from echo2.protocol.messages import Announce, RelayReport
 
 from .activation import NodeOffer, reselect
-from .admission import AdmissionPolicy
+from .admission import AdmissionPolicy, Decision
 from .broadcast import UNLIMITED_BPS, PeerInfo
 from .capacity import CapacityReport, NodeCapacity, capacity_report
+from .claims import ClaimLimits, PriceBook, claim_problem, overclaims
 from .config import HubConfig
 from .dispatch import Dispatcher
-from .ledger import Ledger
+from .ledger import MICRO, Ledger, to_micro
 from .publisher import PolicyPublisher
 from .reputation import Event, ReputationBook, ReputationConfig
 from .store import HubStore
 from .storeworker import StoreWorker
 
 log = logging.getLogger(__name__)
+
+LEDGER_SAVE_EVERY_S = 10.0  # billed time is persisted this often (accepted results: at once)
 
 
 @dataclass
@@ -92,11 +95,24 @@ class Fleet:
                     sender.distrust(rec.peer_id, "reported relaying corrupt chunks before a restart")
         self.banned: dict[str, str] = store.banned()  # the data plane's check; refreshed each second
         self.admission = AdmissionPolicy(cfg.admission, cfg.allowlist, hub_peer_id=hub_peer_id)
+        self.claims = ClaimLimits(max_price=cfg.max_price, max_rate=cfg.max_claimed_rate,
+                                  change_every_s=cfg.price_change_every_s)
+        self.prices = PriceBook(self.claims)
+        self._overclaim_punished: dict[str, float] = {}  # peer -> the claimed figure it was punished for
+        self._ledger_saved = 0.0
 
     # --- admission -------------------------------------------------------------------------------
     async def admit(self, peer: str, join_token: str, announce: Announce, now: float) -> tuple[bool, str]:
         looked_up = await self.store.call(lambda st: (st.ban_reason(peer), st.is_allowed(peer)))
         d = self.admission.decide(peer, join_token, now, looked_up=looked_up)
+        problem = claim_problem(announce.rollouts_per_s, announce.price_usd_per_hour, self.claims)
+        if d.admitted and problem is not None:
+            d = Decision(False, f"announcement refused: {problem}", "bad_claim")
+        if d.admitted and d.token_id:
+            # counted (and a revocation seen) only once everything else said yes
+            refused = await self.store.call(HubStore.use_token, d.token_id, peer, d.max_uses, now)
+            if refused is not None:
+                d = Decision(False, self.admission.token_refusal(refused), refused)
         self.store.submit(HubStore.log_admission, peer, now, d.admitted, d.code, d.reason)
         if not d.admitted:
             self.refusals[f"admission_{d.code}"] += 1
@@ -109,21 +125,59 @@ class Fleet:
             self.changed = True
         else:
             node.announce, node.last_seen = announce, now
-        self.store.submit(
-            HubStore.upsert_node, peer, now, announce=announce.to_wire(), price=announce.price_usd_per_hour, state="standby"
-        )
-        self.dispatcher.add_node(peer, rate=max(announce.rollouts_per_s, 1.0))
+        known = self.ledger.price_micro(peer) / MICRO if peer in self.ledger else None
+        price = self.prices.admit(peer, announce.price_usd_per_hour, now, known)
+        if known is None:
+            self.ledger.set_price(peer, price, now)
+        self.store.submit(HubStore.upsert_node, peer, now, announce=announce.to_wire(), price=price, state="standby")
+        # the claim only seeds a probation: small tasks until the hub has timed one
+        self.dispatcher.add_node(peer, rate=max(announce.rollouts_per_s, 1.0), claimed=True)
         self.dispatcher.seed_rate(peer, announce.rollouts_per_s)
         self.activate()
         return True, d.reason
 
     def announced(self, peer: str, announce: Announce) -> None:
         node = self.nodes.get(peer)
-        if node is not None and announce.peer_id == peer:
-            if announce.price_usd_per_hour != node.announce.price_usd_per_hour:
-                self.ledger.set_price(peer, announce.price_usd_per_hour, time.time())
-            node.announce = announce
-            self.dispatcher.seed_rate(peer, announce.rollouts_per_s)
+        if node is None or announce.peer_id != peer:
+            return
+        problem = claim_problem(announce.rollouts_per_s, announce.price_usd_per_hour, self.claims)
+        if problem is not None:
+            self.refusals["announce_bad_claim"] += 1
+            log.warning("ignored an announcement of %s: %s", peer, problem)
+            return
+        node.announce = announce
+        self.prices.ask(peer, announce.price_usd_per_hour)
+        self.dispatcher.seed_rate(peer, announce.rollouts_per_s)
+
+    # --- prices and claims (BRIEF §6: measured rates, bounded prices) -------------------------------
+    def task_issued(self, task_id: str, peer: str) -> None:
+        self.prices.issued(task_id, peer)
+
+    def task_price_micro(self, task_id: str, peer: str) -> int:
+        """The price in force when ``task_id`` was issued: what its ledger entry records."""
+        return to_micro(self.prices.task_price(task_id, peer))
+
+    def tick(self, now: float) -> None:
+        """Once a second: price changes due, overclaims, the billed time saved, fleet changes logged."""
+        for peer, node in self.nodes.items():
+            st = self.dispatcher.nodes.get(peer)
+            billed = self.prices.step(peer, now, st.in_flight if st is not None else ())
+            if billed is not None:
+                log.info("node %s is billed %.6g $/h from now on", peer, billed)
+                self.ledger.set_price(peer, billed, now)
+                self.store.submit(HubStore.upsert_node, peer, now, price=billed)
+            claim = node.announce.rollouts_per_s
+            measured = self.dispatcher.measured_rate(peer)
+            if self._overclaim_punished.get(peer) != claim and overclaims(
+                claim, measured, self.dispatcher.timed_tasks(peer), self.claims
+            ):
+                self._overclaim_punished[peer] = claim
+                self.punish(peer, Event.OVERCLAIM, f"claimed {claim:.3g} rollouts/s, measured {measured or 0.0:.3g}")
+        self.prices.forget_tasks(self.dispatcher.in_flight)
+        if now - self._ledger_saved >= LEDGER_SAVE_EVERY_S:
+            self._ledger_saved = now
+            self.store.submit(HubStore.save_ledger, self.ledger.snapshot(now), now)
+        self.log_if_changed()
 
     def peer_info(self, peer: str) -> PeerInfo | None:
         """Planning input from the node's signed Announce (its hello is only a fallback)."""
@@ -224,11 +278,10 @@ class Fleet:
             new = set(self.nodes)
         else:
             need = self.cfg.activation_margin * self.cfg.prompts_per_step * self.cfg.group_size / max(t_train, 1e-6)
-            offers = [
-                NodeOffer(p, float(n.announce.price_usd_per_hour), self.dispatcher.rate_of(p))
-                for p, n in self.nodes.items()
-                if p in self.dispatcher.nodes
-            ]
+            # hub-measured rates only: a node the hub has not timed yet works on probation
+            measured = {p: self.dispatcher.measured_rate(p) for p in self.nodes if p in self.dispatcher.nodes}
+            probation = {p for p, r in measured.items() if r is None}
+            offers = [NodeOffer(p, self.prices.offered(p), r) for p, r in measured.items() if r is not None]
             free = {o.node_id for o in offers if o.price == 0}
             rest = need - sum(o.rate for o in offers if o.node_id in free)
             paid = [o for o in offers if o.price > 0]
@@ -241,12 +294,11 @@ class Fleet:
                     "shortfall": act.shortfall, "ms": round(act.elapsed_ms, 3),
                 }
             self._active_paid = chosen
-            new = free | chosen
+            new = free | chosen | probation
         now = time.time()
         old = self.active if self.active is not None else set()
         for p in new - old:
-            node = self.nodes.get(p)
-            self.ledger.activate(p, now, node.announce.price_usd_per_hour if node else None)
+            self.ledger.activate(p, now)
             self.store.submit(HubStore.set_node_state, p, "active")
         for p in old - new:
             self.ledger.deactivate(p, now)
@@ -268,7 +320,7 @@ class Fleet:
         out = []
         per_node = max(1, self.cfg.prompts_per_step // max(1, len(self.nodes)))
         for peer in self.nodes:
-            rate = self.dispatcher.rate_of(peer) if peer in self.dispatcher.nodes else 0.0
+            rate = self.dispatcher.planning_rate(peer) if peer in self.dispatcher.nodes else 0.0
             g = (self.cfg.group_size * per_node) / rate if rate > 0 else 0.0
             out.append(NodeCapacity(peer, load_s=self.publisher.load_s.get(peer, 0.0), task_s=g, rate=rate))
         return out
@@ -306,7 +358,7 @@ class Fleet:
         """Snapshot (on the loop) what a trained step persists of the fleet; the job writes it."""
         now = time.time()
         ledger_rows = self.ledger.snapshot(now)
-        rates = {p: self.dispatcher.rate_of(p) for p in self.nodes if p in self.dispatcher.nodes}
+        rates = {p: r for p in self.nodes if (r := self.dispatcher.measured_rate(p)) is not None}
         meta = self.capacity_meta() if step % 10 == 0 else None
 
         def write(st: HubStore) -> None:

@@ -188,15 +188,11 @@ class Hub:
                 self.ledger.refuse(peer, verdict.code)
                 self._pump()
             raise verdict.error
-        payload = encode_groups(verdict.rows)
-
-        def record(st: HubStore) -> None:
-            st.record_result(r.task_id, peer, r.version, accepted=True, reason="accepted", tokens=r.tokens, rollouts=n,
-                             received_at=now, payload=payload)
-            st.close_task(r.task_id, "done", time.time())
-
-        # store: queued before the rows can be trained (and marked so), durable before the node hears "accepted"
-        pending = self.store.request(record)
+        # store: the result and its ledger entry in one durable transaction, queued before the rows
+        # can be trained (and marked so), committed before the node hears "accepted"
+        pending = self.store.request(HubStore.record_accepted, r.task_id, peer, r.version, tokens=r.tokens, rollouts=n,
+                                     received_at=now, payload=encode_groups(verdict.rows),
+                                     price_micro=self.fleet.task_price_micro(r.task_id, peer))
         self.ledger.accept(peer, n, r.tokens)
         self.reputation.record(peer, Event.ACCEPTED)
         node.tasks_done, node.rollouts, node.tokens = node.tasks_done + 1, node.rollouts + n, node.tokens + r.tokens
@@ -253,7 +249,7 @@ class Hub:
                 for tid in self.intake.node_left(peer):
                     self.store.submit(HubStore.close_task, tid, "reassigned", now)
                 self._pump()
-            self.fleet.log_if_changed()
+            self.fleet.tick(now)
             await self.write_status()
 
     async def learner_loop(self) -> None:

@@ -3,6 +3,8 @@
 Cost is Σ price × active hours, with the price piecewise constant: a price change closes the
 running interval at the old price and opens a new one at the new price, so a node is never billed
 a new price for time it served at the old one. The headline figure is $ per accepted token.
+Money is counted in integer micro-USD and time in integer milliseconds (no float accumulation;
+a price or a duration, however large, stays an exact integer): USD floats are only for display.
 
 Nothing here knows about clocks, trio or the database: every call takes ``now`` (unix seconds).
 :meth:`Ledger.snapshot` / :meth:`Ledger.restore` carry the accumulated figures across restarts
@@ -20,22 +22,50 @@ from dataclasses import dataclass, field
 from typing import Any
 
 SECONDS_PER_HOUR = 3600.0
+MICRO = 1_000_000  # micro-USD per USD
+_MS_PER_HOUR = 3_600_000
+
+
+def to_micro(usd: float) -> int:
+    """A dollar figure as integer micro-USD (prices: micro-USD per hour)."""
+    return int(round(_check_price(usd) * MICRO))
+
+
+def _ms(t: float) -> int:
+    return int(round(t * 1000.0))
 
 
 @dataclass
 class AccountRow:
-    """One node's account up to some time: also the persisted snapshot form."""
+    """One node's account up to some time: also the persisted snapshot form.
+
+    Money is integer micro-USD and time integer milliseconds, so that billing never accumulates
+    float error (and a huge figure is an exact integer, not inf): cost is ``cost_micro`` plus
+    ``cost_rem`` in micro-USD·ms/h (always below one micro-USD). The float views are for display."""
 
     peer_id: str
-    price_usd_per_hour: float = 0.0
+    price_micro: int = 0  # micro-USD per hour
     active: bool = False
-    active_s: float = 0.0
-    cost_usd: float = 0.0
+    active_ms: int = 0
+    cost_micro: int = 0
     accepted_results: int = 0
     accepted_rollouts: int = 0
     accepted_tokens: int = 0
     refused: int = 0
     refused_by_reason: dict[str, int] = field(default_factory=dict)
+    cost_rem: int = 0
+
+    @property
+    def price_usd_per_hour(self) -> float:
+        return self.price_micro / MICRO
+
+    @property
+    def active_s(self) -> float:
+        return self.active_ms / 1000.0
+
+    @property
+    def cost_usd(self) -> float:
+        return self.cost_micro / MICRO
 
     @property
     def usd_per_token(self) -> float | None:
@@ -47,12 +77,16 @@ class Totals:
     nodes: int
     active_nodes: int
     active_s: float
-    cost_usd: float
+    cost_micro: int
     accepted_results: int
     accepted_rollouts: int
     accepted_tokens: int
     refused: int
     refused_by_reason: dict[str, int]
+
+    @property
+    def cost_usd(self) -> float:
+        return self.cost_micro / MICRO
 
     @property
     def usd_per_token(self) -> float | None:
@@ -69,6 +103,7 @@ class Totals:
             "active_nodes": self.active_nodes,
             "active_s": self.active_s,
             "cost_usd": self.cost_usd,
+            "cost_micro_usd": self.cost_micro,
             "accepted_results": self.accepted_results,
             "accepted_rollouts": self.accepted_rollouts,
             "accepted_tokens": self.accepted_tokens,
@@ -89,32 +124,35 @@ def _check_price(price: float) -> float:
 @dataclass
 class _Account:
     peer_id: str
-    price: float = 0.0
-    closed_s: float = 0.0
-    closed_cost: float = 0.0
-    active_since: float | None = None
+    price: int = 0  # micro-USD per hour
+    closed_ms: int = 0
+    closed_cost: int = 0  # micro-USD·ms/h: exact, divided by 3.6e6 only to report
+    active_since: int | None = None  # ms
     accepted_results: int = 0
     accepted_rollouts: int = 0
     accepted_tokens: int = 0
     refused_by_reason: dict[str, int] = field(default_factory=dict)
 
-    def _close(self, now: float) -> None:
+    def _close(self, now_ms: int) -> None:
         if self.active_since is None:
             return
         # A clock stepping backwards must never produce negative time or cost.
-        dt = max(0.0, now - self.active_since)
-        self.closed_s += dt
-        self.closed_cost += dt * self.price / SECONDS_PER_HOUR
-        self.active_since = now
+        dt = max(0, now_ms - self.active_since)
+        self.closed_ms += dt
+        self.closed_cost += dt * self.price
+        self.active_since = now_ms
 
     def row(self, now: float) -> AccountRow:
-        open_s = max(0.0, now - self.active_since) if self.active_since is not None else 0.0
+        now_ms = _ms(now)
+        open_ms = max(0, now_ms - self.active_since) if self.active_since is not None else 0
+        cost_micro, rem = divmod(self.closed_cost + open_ms * self.price, _MS_PER_HOUR)
         return AccountRow(
             peer_id=self.peer_id,
-            price_usd_per_hour=self.price,
+            price_micro=self.price,
             active=self.active_since is not None,
-            active_s=self.closed_s + open_s,
-            cost_usd=self.closed_cost + open_s * self.price / SECONDS_PER_HOUR,
+            active_ms=self.closed_ms + open_ms,
+            cost_micro=cost_micro,
+            cost_rem=rem,
             accepted_results=self.accepted_results,
             accepted_rollouts=self.accepted_rollouts,
             accepted_tokens=self.accepted_tokens,
@@ -148,20 +186,25 @@ class Ledger:
         if price is not None:
             self.set_price(peer_id, price, now)
         if a.active_since is None:
-            a.active_since = now
+            a.active_since = _ms(now)
 
     def deactivate(self, peer_id: str, now: float) -> None:
         a = self._acc.get(peer_id)
         if a is None or a.active_since is None:
             return
-        a._close(now)
+        a._close(_ms(now))
         a.active_since = None
 
     def set_price(self, peer_id: str, price: float, now: float) -> None:
-        p = _check_price(price)
+        p = to_micro(price)
         a = self._get(peer_id)
-        a._close(now)
+        a._close(_ms(now))
         a.price = p
+
+    def price_micro(self, peer_id: str) -> int:
+        """The price ``peer_id`` is billed at now (micro-USD per hour; 0 if unknown)."""
+        a = self._acc.get(peer_id)
+        return a.price if a is not None else 0
 
     def accept(self, peer_id: str, rollouts: int, tokens: int) -> None:
         """An accepted result (rollouts = completions, tokens = generated tokens)."""
@@ -196,11 +239,13 @@ class Ledger:
         """Rebuild from a snapshot; every node comes back inactive (downtime is not billed)."""
         led = cls()
         for r in rows:
+            if min(r.price_micro, r.active_ms, r.cost_micro, r.cost_rem) < 0:
+                raise ValueError(f"ledger row of {r.peer_id} has a negative figure")
             led._acc[r.peer_id] = _Account(
                 peer_id=r.peer_id,
-                price=_check_price(r.price_usd_per_hour),
-                closed_s=float(r.active_s),
-                closed_cost=float(r.cost_usd),
+                price=int(r.price_micro),
+                closed_ms=int(r.active_ms),
+                closed_cost=int(r.cost_micro) * _MS_PER_HOUR + int(r.cost_rem),
                 active_since=None,
                 accepted_results=int(r.accepted_results),
                 accepted_rollouts=int(r.accepted_rollouts),
@@ -218,8 +263,8 @@ def totals_of(rows: Sequence[AccountRow]) -> Totals:
     return Totals(
         nodes=len(rows),
         active_nodes=sum(1 for r in rows if r.active),
-        active_s=sum(r.active_s for r in rows),
-        cost_usd=sum(r.cost_usd for r in rows),
+        active_s=sum(r.active_ms for r in rows) / 1000.0,
+        cost_micro=sum(r.cost_micro for r in rows),
         accepted_results=sum(r.accepted_results for r in rows),
         accepted_rollouts=sum(r.accepted_rollouts for r in rows),
         accepted_tokens=sum(r.accepted_tokens for r in rows),

@@ -75,6 +75,7 @@ class Outbox:
         for task in self.intake.issue(now, t, nodes, lambda: self.rng.randrange(2**62)):
             n_rollouts = len(task.prompts) * task.group_size
             self.store.submit(HubStore.record_task, task.task_id, task.node_id, now, task.deadline, n_rollouts)
+            self.fleet.task_issued(task.task_id, task.node_id)
             node = nodes[task.node_id]
             # within the node's replay window (600 s), however long the deadline
             ttl = min(540.0, max(60.0, task.deadline - now + 60.0))

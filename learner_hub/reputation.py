@@ -6,7 +6,8 @@ invents numbers. Reputation is a score in [0, 1] per node:
 
 * an accepted result moves it up a little (``score += gain * (1 - score)``), so trust is earned
   slowly and is worth more the longer a node behaves;
-* a log-prob mismatch multiplies it by ``mismatch_factor``; a timed-out task by a milder factor;
+* a log-prob mismatch multiplies it by ``mismatch_factor``; a rate claim far above what the hub
+  measured (``OVERCLAIM``, once per claimed figure) or a timed-out task by milder factors;
 * forged or invalid data (wrong task hash, another node's name, ids outside the vocabulary,
   non-finite numbers) sets it to 0 and bans at once: honest software never produces it.
 
@@ -29,6 +30,7 @@ class Event(StrEnum):
     CHECK_OK = "check_ok"  # log-probs recomputed and matched
     MISMATCH = "mismatch"  # log-probs recomputed and did not match
     FORGED = "forged"  # provably false data
+    OVERCLAIM = "overclaim"  # claimed rate far above the hub-measured one
     TIMEOUT = "timeout"  # an assigned task expired unanswered
     CORRUPT_RELAY = "corrupt_relay"  # a peer reports it relayed a chunk off the signed manifest
 
@@ -38,6 +40,7 @@ class ReputationConfig:
     initial: float = 0.5
     gain: float = 0.02
     mismatch_factor: float = 0.7
+    overclaim_factor: float = 0.8
     timeout_factor: float = 0.95
     window: int = 20
     max_mismatches: int = 3
@@ -52,7 +55,7 @@ class ReputationConfig:
             raise ValueError("need 0 <= initial <= 1 and 0 < gain < 1")
         if self.relay_report_quorum < 1:
             raise ValueError("relay_report_quorum must be >= 1")
-        for f in (self.mismatch_factor, self.timeout_factor, self.corrupt_relay_factor):
+        for f in (self.mismatch_factor, self.overclaim_factor, self.timeout_factor, self.corrupt_relay_factor):
             if not 0.0 <= f <= 1.0:
                 raise ValueError("penalty factors must be in [0, 1]")
         if self.window < 1 or not 1 <= self.max_mismatches <= self.window:
@@ -66,6 +69,7 @@ class NodeReputation:
     accepted: int = 0
     mismatches: int = 0
     forged: int = 0
+    overclaims: int = 0
     banned: str | None = None
     relay_reporters: set[str] = field(default_factory=set)  # who reported it relaying corrupt chunks
 
@@ -76,6 +80,7 @@ class NodeReputation:
             "accepted": self.accepted,
             "mismatches": self.mismatches,
             "forged": self.forged,
+            "overclaims": self.overclaims,
             "banned": self.banned,
             "relay_reporters": sorted(self.relay_reporters),
         }
@@ -133,6 +138,9 @@ class ReputationBook:
             r.forged += 1
             r.score = 0.0
             ban = "forged or invalid result" + (f": {detail}" if detail else "")
+        elif event is Event.OVERCLAIM:
+            r.overclaims += 1
+            r.score *= c.overclaim_factor
         elif event is Event.TIMEOUT:
             r.score *= c.timeout_factor
         elif event is Event.CORRUPT_RELAY:
@@ -178,7 +186,7 @@ class ReputationBook:
         checks = state.get("checks")
         if isinstance(checks, list):
             r.checks.extend(bool(x) for x in checks[-c.window :])
-        for k in ("accepted", "mismatches", "forged"):
+        for k in ("accepted", "mismatches", "forged", "overclaims"):
             v = state.get(k)
             if isinstance(v, int) and v >= 0:
                 setattr(r, k, v)

@@ -116,6 +116,40 @@ MIGRATIONS: list[str] = [
         PRIMARY KEY (accused, reporter, version, chunk_index)
     );
     """,
+    # 4: the ledger in integer micro-USD and milliseconds (the REAL columns stay, as display
+    # copies); one ledger entry per accepted result, written in the result's own transaction;
+    # join tokens that can be revoked and used a bounded number of times
+    """
+    ALTER TABLE ledger ADD COLUMN price_micro INTEGER NOT NULL DEFAULT 0;
+    ALTER TABLE ledger ADD COLUMN active_ms INTEGER NOT NULL DEFAULT 0;
+    ALTER TABLE ledger ADD COLUMN cost_micro INTEGER NOT NULL DEFAULT 0;
+    ALTER TABLE ledger ADD COLUMN cost_rem INTEGER NOT NULL DEFAULT 0;
+    UPDATE ledger SET price_micro = CAST(ROUND(price * 1000000) AS INTEGER),
+        active_ms = CAST(ROUND(active_s * 1000) AS INTEGER), cost_micro = CAST(ROUND(cost_usd * 1000000) AS INTEGER);
+    CREATE TABLE ledger_entries (
+        task_id TEXT PRIMARY KEY,
+        peer_id TEXT NOT NULL,
+        rollouts INTEGER NOT NULL,
+        tokens INTEGER NOT NULL,
+        price_micro INTEGER NOT NULL,
+        at REAL NOT NULL
+    );
+    CREATE INDEX ledger_entries_peer ON ledger_entries(peer_id);
+    CREATE TABLE join_tokens (
+        token_id TEXT PRIMARY KEY,
+        created REAL NOT NULL,
+        expires REAL NOT NULL,
+        max_uses INTEGER,
+        peer TEXT,
+        revoked_at REAL
+    );
+    CREATE TABLE token_uses (
+        token_id TEXT NOT NULL,
+        peer_id TEXT NOT NULL,
+        at REAL NOT NULL,
+        PRIMARY KEY (token_id, peer_id)
+    );
+    """,
 ]
 
 
@@ -169,6 +203,17 @@ class PendingResult:
     rollouts: int
     received_at: float
     payload: bytes
+
+
+@dataclass(frozen=True)
+class TokenRecord:
+    token_id: str
+    created: float
+    expires: float
+    max_uses: int | None
+    peer: str | None
+    revoked_at: float | None
+    uses: int
 
 
 @dataclass(frozen=True)

@@ -31,8 +31,9 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from echo2.fsutil import TMP_PREFIX, atomic_write_with
+from echo2.fsutil import TMP_PREFIX, atomic_write_with, fsync_dir
 
+from .joinstore import JoinTokens
 from .ledger import AccountRow, NodeRow, hardware_summary, ledger_csv, render_ledger, render_nodes, totals_of
 from .schema import (
     MIGRATIONS,
@@ -53,7 +54,7 @@ DB_NAME = "hub.sqlite"
 CHECKPOINT_DIR = "checkpoints"
 _CKPT_RE = re.compile(r"^step-(\d+)\.pt$")
 
-class HubStore:
+class HubStore(JoinTokens):
     """SQLite-backed hub state. ``path`` is the database file (conventionally DIR/hub.sqlite);
     checkpoints go to ``checkpoint_dir`` (default: a ``checkpoints`` folder beside it)."""
 
@@ -86,6 +87,10 @@ class HubStore:
         except sqlite3.DatabaseError as exc:
             self._db.close()
             raise StoreError(f"cannot open hub database {self.path}: {exc}") from exc
+        # The database and its WAL may have just been created, and the hub directory too (next to
+        # the key): their directory entries must survive a crash like the data they hold.
+        fsync_dir(self.path.parent)
+        fsync_dir(self.path.parent.parent)
 
     @classmethod
     def in_dir(cls, hub_dir: str | os.PathLike[str], **kw: Any) -> HubStore:
@@ -103,15 +108,28 @@ class HubStore:
 
     # --- plumbing --------------------------------------------------------------------------------
     @contextmanager
-    def _tx(self) -> Iterator[sqlite3.Connection]:
+    def _tx(self, *, durable: bool = False) -> Iterator[sqlite3.Connection]:
+        """One transaction. ``durable``: its COMMIT syncs the WAL (synchronous=FULL), so what it
+        wrote survives a power cut, not only a killed process; the other transactions keep
+        NORMAL (they are made durable by the next durable one, or a checkpoint)."""
         with self._lock:
-            self._db.execute("BEGIN IMMEDIATE")
+            if durable:
+                self._db.execute("PRAGMA synchronous=FULL")
             try:
-                yield self._db
-            except BaseException:
-                self._db.execute("ROLLBACK")
-                raise
-            self._db.execute("COMMIT")
+                self._db.execute("BEGIN IMMEDIATE")
+                try:
+                    yield self._db
+                except BaseException:
+                    self._db.execute("ROLLBACK")
+                    raise
+                self._db.execute("COMMIT")
+            finally:
+                if durable:
+                    self._db.execute("PRAGMA synchronous=NORMAL")
+
+    def synchronous(self) -> int:
+        """The connection's current ``PRAGMA synchronous`` (1 NORMAL, 2 FULL); for tests."""
+        return int(self._db.execute("PRAGMA synchronous").fetchone()[0])
 
     def _read(self, sql: str, args: tuple[Any, ...] = ()) -> list[tuple[Any, ...]]:
         with self._lock:
@@ -307,6 +325,59 @@ class HubStore:
             )
             return int(cur.lastrowid or 0)
 
+    def record_accepted(
+        self,
+        task_id: str,
+        node: str,
+        version: int,
+        *,
+        tokens: int,
+        rollouts: int,
+        received_at: float,
+        payload: bytes,
+        price_micro: int,
+    ) -> None:
+        """An accepted result, its ledger entry and its task's closing, in ONE durable transaction:
+        the hub answers "accepted" only after this returns, so a crash at any moment either loses
+        the result and its entry together (the node was not told, and sends it again) or neither.
+        ``price_micro`` is the price in force when the task was issued (micro-USD per hour)."""
+        if min(tokens, rollouts, price_micro) < 0:
+            raise ValueError("tokens, rollouts and price must be >= 0")
+        with self._tx(durable=True) as db:
+            db.execute(
+                "INSERT INTO results (task_id, node, version, accepted, reason, tokens, rollouts, received_at, payload)"
+                " VALUES (?, ?, ?, 1, 'accepted', ?, ?, ?, ?)",
+                (task_id, node, version, tokens, rollouts, received_at, payload),
+            )
+            db.execute("UPDATE tasks SET status = 'done', closed_at = ? WHERE task_id = ?", (received_at, task_id))
+            new = db.execute(
+                "INSERT OR IGNORE INTO ledger_entries (task_id, peer_id, rollouts, tokens, price_micro, at)"
+                " VALUES (?, ?, ?, ?, ?, ?)",
+                (task_id, node, rollouts, tokens, int(price_micro), received_at),
+            ).rowcount
+            if new:
+                db.execute(
+                    "INSERT INTO ledger (peer_id, price, active_s, cost_usd, accepted_results, accepted_rollouts,"
+                    " accepted_tokens, refused_by_reason, saved_at, price_micro) VALUES (?, ?, 0, 0, 1, ?, ?, '{}', ?, ?)"
+                    " ON CONFLICT(peer_id) DO UPDATE SET accepted_results = accepted_results + 1,"
+                    " accepted_rollouts = accepted_rollouts + excluded.accepted_rollouts,"
+                    " accepted_tokens = accepted_tokens + excluded.accepted_tokens",
+                    (node, price_micro / 1e6, rollouts, tokens, received_at, int(price_micro)),
+                )
+
+    def ledger_entries(self, peer_id: str | None = None) -> list[tuple[str, str, int, int, int, float]]:
+        """(task id, peer, rollouts, tokens, price micro-USD/h at issue, time) per accepted result."""
+        sql = "SELECT task_id, peer_id, rollouts, tokens, price_micro, at FROM ledger_entries"
+        args: tuple[Any, ...] = ()
+        if peer_id is not None:
+            sql += " WHERE peer_id = ?"
+            args = (peer_id,)
+        return [(str(t), str(p), int(r), int(k), int(m), float(a)) for t, p, r, k, m, a in self._read(sql + " ORDER BY at", args)]
+
+    def accepted_task_ids(self) -> set[str]:
+        """Every task whose result was accepted (the crash bench counts them)."""
+        return {str(r[0]) for r in self._read("SELECT task_id FROM results WHERE accepted = 1")}
+
     def pending_results(self, after_step: int | None = None) -> list[PendingResult]:
         """Accepted results to put back into the buffer on resume: never trained, or trained by a
         step after ``after_step`` (the resumed checkpoint's step), in arrival order."""
@@ -394,14 +465,18 @@ class HubStore:
 
     # --- ledger ----------------------------------------------------------------------------------
     def save_ledger(self, rows: Iterable[AccountRow], now: float) -> None:
-        """Persist a :meth:`Ledger.snapshot` (upsert per node)."""
+        """Persist a :meth:`Ledger.snapshot` (upsert per node). The accepted counts it carries
+        include every result whose :meth:`record_accepted` was queued before it (the store runs
+        its calls in order), so it never moves them backwards."""
         with self._tx() as db:
             db.executemany(
                 "INSERT OR REPLACE INTO ledger (peer_id, price, active_s, cost_usd, accepted_results,"
-                " accepted_rollouts, accepted_tokens, refused_by_reason, saved_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                " accepted_rollouts, accepted_tokens, refused_by_reason, saved_at, price_micro, active_ms,"
+                " cost_micro, cost_rem) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
                 [
                     (r.peer_id, r.price_usd_per_hour, r.active_s, r.cost_usd, r.accepted_results,
-                     r.accepted_rollouts, r.accepted_tokens, json.dumps(r.refused_by_reason, sort_keys=True), now)
+                     r.accepted_rollouts, r.accepted_tokens, json.dumps(r.refused_by_reason, sort_keys=True), now,
+                     r.price_micro, r.active_ms, r.cost_micro, r.cost_rem)
                     for r in rows
                 ],
             )
@@ -409,13 +484,14 @@ class HubStore:
     def load_ledger(self) -> list[AccountRow]:
         """The persisted accounts (all inactive): feed to :meth:`Ledger.restore`."""
         rows = self._read(
-            "SELECT peer_id, price, active_s, cost_usd, accepted_results, accepted_rollouts, accepted_tokens,"
-            " refused_by_reason FROM ledger ORDER BY peer_id"
+            "SELECT peer_id, price_micro, active_ms, cost_micro, accepted_results, accepted_rollouts, accepted_tokens,"
+            " refused_by_reason, cost_rem FROM ledger ORDER BY peer_id"
         )
         out = []
-        for p, price, act, cost, res, ro, tok, ref in rows:
+        for p, price, act, cost, res, ro, tok, ref, rem in rows:
             by_reason = {str(k): int(v) for k, v in json.loads(ref).items()}
-            out.append(AccountRow(p, price, False, act, cost, res, ro, tok, sum(by_reason.values()), by_reason))
+            out.append(AccountRow(p, int(price), False, int(act), int(cost), int(res), int(ro), int(tok),
+                                  sum(by_reason.values()), by_reason, int(rem)))
         return out
 
     # --- meta --------------------------------------------------------------------------------------

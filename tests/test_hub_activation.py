@@ -33,7 +33,8 @@ def test_cost_aware_activation(tmp_path: Path) -> None:
     for name, ident in nodes.items():
         req = AdmissionRequest(peer_id=ident.peer_id, join_token="", announce=announce(ident.peer_id, prices[name]))
         trio.run(hub.on_admission, ident.peer_id, envelope.seal(ident, req))
-        hub.dispatcher.nodes[ident.peer_id].rate = rates[name]
+        # as if the hub had timed a task of each (activation plans with measured rates only)
+        hub.dispatcher.nodes[ident.peer_id].rate, hub.dispatcher.nodes[ident.peer_id].claimed = rates[name], False
     hub.history.append({"step": 1, "train_s": 0.5, "reward": 0.0, "t": 1.0})
     hub.activate()
     pid = {ident.peer_id: name for name, ident in nodes.items()}
@@ -41,11 +42,11 @@ def test_cost_aware_activation(tmp_path: Path) -> None:
     assert {pid[p] for p in hub.active or ()} == {"free", "cheap", "mid"}
     assert hub.last_activation["cost_usd_per_hour"] == 0.60
     # hysteresis: a slightly cheaper alternative does not churn the active set
-    hub.nodes[nodes["pricey"].peer_id].announce = announce(nodes["pricey"].peer_id, 0.58)
+    hub.fleet.announced(nodes["pricey"].peer_id, announce(nodes["pricey"].peer_id, 0.58))
     hub.activate()
     assert {pid[p] for p in hub.active or ()} == {"free", "cheap", "mid"}
     # a much cheaper one does
-    hub.nodes[nodes["pricey"].peer_id].announce = announce(nodes["pricey"].peer_id, 0.05)
+    hub.fleet.announced(nodes["pricey"].peer_id, announce(nodes["pricey"].peer_id, 0.05))
     hub.activate()
     assert {pid[p] for p in hub.active or ()} == {"free", "pricey"}
     st = {n["peer_id"]: n["state"] for n in hub.status()["nodes"]}
