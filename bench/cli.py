@@ -13,6 +13,7 @@ BENCHES: dict[str, tuple[str, str]] = {
     "node": ("echo2.bench.node", "node throughput: raw engine vs the full signed task path"),
     "e2e": ("echo2.bench.e2e", "the whole loop per staleness bound: busy fraction (measured vs predicted), wall time, reward"),
     "fuzz": ("echo2.bench.fuzz", "hostile peers against a real swarm: survival, memory, progress, refusals"),
+    "attack": ("echo2.bench.attack", "issue 15's attacks A1-A12 against a live swarm: honest rate, memory, survival, effect blocked?"),
     "activation": ("echo2.bench.activation", "cost-aware activation: exact vs echo2 vs all vs cheapest-first"),
     "crash": ("echo2.bench.crash", "SIGKILL the hub at random moments: acknowledged results and ledger entries vs found after restart"),
 }

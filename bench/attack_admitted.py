@@ -1,0 +1,363 @@
+"""Attacks by admitted nodes (A5, A6, A9, A10): the hub's open admission lets anyone in, so an
+attacker joins under throwaway keys and then lies: about its rows (a real node process,
+:mod:`echo2.bench.attack_liar`), its rate and price, a peer's chunks, its own address."""
+
+from __future__ import annotations
+
+import math
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections import Counter
+from typing import TYPE_CHECKING, Any
+
+import trio
+
+from echo2.bench.attack_common import RssPeak, admit, announce
+from echo2.bench.attack_swarm import attacker_source
+from echo2.bench.fuzz_observe import read_json
+
+if TYPE_CHECKING:
+    from echo2.bench.attack import Ctx, Effect
+
+
+def _node_entry(status: dict[str, Any], peer: str) -> dict[str, Any]:
+    for n in status.get("nodes", []):
+        if n.get("peer_id") == peer:
+            return dict(n)
+    return {}
+
+
+def _counters(status: dict[str, Any]) -> dict[str, Any]:
+    """Status figures about checking rows, if the hub publishes any."""
+    keys = ("spot", "verif", "forg", "mismatch", "check")
+    return {k: v for k, v in status.items() if any(w in k.lower() for w in keys) and isinstance(v, (int, float, dict))}
+
+
+# --- A5 -------------------------------------------------------------------------------------------
+
+
+async def a5_forged_rows(ctx: Ctx) -> Effect:
+    """A real node that answers honestly once per version, then forges log-probs and finish
+    reasons. Effect: forged rows the hub accepted into training (they reach a gradient)."""
+    from echo2.bench.swarm import _child_env
+
+    h = ctx.h
+    d = h.root / f"liar-{int(time.time())}"
+    d.mkdir(parents=True)
+    log = open(d / "node.log", "ab")
+    proc = subprocess.Popen([sys.executable, "-m", "echo2.bench.attack_liar", "--hub", h.swarm.hub_addr, "--data-dir", str(d)],
+                            stdout=log, stderr=subprocess.STDOUT, env=_child_env(1))
+    try:
+        ready = False
+        with trio.move_on_after(90):
+            while not ready:
+                rep = read_json(d / "liar.json") or {}
+                ready = any(k.startswith("honest_results") for k in rep)
+                if proc.poll() is not None:
+                    return f"not measured: the liar exited ({proc.returncode}); see {d / 'node.log'}", None
+                await trio.sleep(0.5)
+        if not ready:
+            return "not measured: the liar got no task within 90 s", None
+        peer = str((read_json(d / "liar.json") or {}).get("peer_id", ""))
+        st0 = h.status()
+        rep0 = read_json(d / "liar.json") or {}
+        await ctx.window()
+        await trio.sleep(1.5)  # the step that trains the last accepted rows
+        st1 = h.status()
+        rep1 = read_json(d / "liar.json") or {}
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGINT)
+            try:
+                proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(timeout=5)
+    forged = int(rep1.get("forged_rows_accepted", 0)) - int(rep0.get("forged_rows_accepted", 0))
+    node1 = _node_entry(st1, peer)
+    effect: dict[str, Any] = {
+        "forged_rows_reached_training": forged,
+        "forged_rows_sent": sum(int(v) for k, v in rep1.items() if k.startswith("forged_rows")) - sum(
+            int(v) for k, v in rep0.items() if k.startswith("forged_rows")),
+        "liar": {k: v for k, v in rep1.items() if k not in ("updated",)},
+        "liar_at_hub": {k: node1.get(k) for k in ("rollouts", "refused", "reputation", "state")},
+        "liar_banned": not node1 or node1.get("state") == "banned",
+        "spot_checks": (st0.get("spot_checks"), st1.get("spot_checks")),
+        "hub_check_counters": _counters(st1),
+    }
+    if not _counters(st1).keys() - {"spot_checks"}:
+        effect["note"] = ("the hub publishes no count of rows dropped by verification before a step: a row it "
+                          "accepted is counted as trained (needs e.g. status 'rows_failed_check_by_node')")
+    if forged == 0 and not rep1.get("forged_results_refused:") and not any(k.startswith("forged_results") for k in rep1):
+        return effect, None  # no forged result was even sent in the window
+    return effect, forged == 0
+
+
+# --- A6 -------------------------------------------------------------------------------------------
+
+
+class Claimer:
+    """An admitted node that claims a rate it does not have, reports holding every version
+    (HoldsVersion is believed), polls for work and never answers it."""
+
+    def __init__(self, ctx: Ctx, claimed_rate: float, price: float, extra: dict[str, Any] | None = None) -> None:
+        self.ctx = ctx
+        self.extra = extra or {}
+        self.rate = claimed_rate
+        self.price = price
+        self.tasks = 0
+        self.groups = 0
+        self.seen: Counter[str] = Counter()
+        self.peer = ""
+        self.host: Any = None
+
+    async def run(self, reprice_at: float | None = None, new_price: float = 0.0) -> None:
+        from echo2.protocol import envelope, wire
+        from echo2.protocol.errors import Echo2Error
+        from echo2.protocol.identity import Identity
+        from echo2.protocol.messages import ErrorReply, Heartbeat, HoldsVersion, Task
+        from echo2.protocol.net.control import ANNOUNCE_TOPIC, ControlHost
+
+        fz, h = self.ctx.fz, self.ctx.h
+        ident = Identity.generate()
+        self.peer = ident.peer_id
+        claims = dict(rollouts_per_s=self.rate, tokens_per_s=self.rate * 8, price_usd_per_hour=self.price,
+                      upload_MBps=100.0, download_MBps=100.0)
+        claims.update(self.extra)
+        async with ControlHost(ident, dial_timeout_s=5) as host:
+            self.host = host
+            d = await admit(host, fz.hub_addr, **claims)
+            self.seen["admitted" if d.admitted else "refused"] += 1
+            if not d.admitted:
+                return
+            await host.connect(fz.hub_addr)
+            await host.subscribe(ANNOUNCE_TOPIC, _ignore)
+            held, seq, t0 = -1, 0, time.monotonic()
+            while True:
+                if reprice_at is not None and time.monotonic() - t0 > reprice_at:
+                    reprice_at, claims["price_usd_per_hour"] = None, new_price
+                    try:
+                        await host.publish(ANNOUNCE_TOPIC, envelope.seal(ident, announce(ident, **claims), ttl_s=120))
+                        self.seen["repriced_gossip"] += 1
+                        d = await admit(host, fz.hub_addr, **claims)
+                        self.seen["repriced_admission"] += 1
+                    except Echo2Error as exc:
+                        self.seen[f"reprice:{getattr(exc, 'code', type(exc).__name__)}"] += 1
+                latest = int(h.status().get("latest_version", 0) or 0)
+                try:
+                    if latest != held:
+                        holds = HoldsVersion(peer_id=ident.peer_id, version=latest, seconds=0.1)
+                        await host.request(fz.hub_addr, wire.HOLDS, envelope.seal(ident, holds), max_response=4096, timeout_s=10)
+                        held = latest
+                    seq += 1
+                    hb = Heartbeat(peer_id=ident.peer_id, seq=seq, versions_held=[held], busy_tasks=0, queue_free=8)
+                    resp = await host.request(fz.hub_addr, wire.WORK, envelope.seal(ident, hb), max_response=wire.MAX_TASK,
+                                              timeout_s=20)
+                    v = envelope.open_envelope(resp, (Task, ErrorReply), replay=None)
+                    if isinstance(v.message, Task):
+                        self.tasks += 1
+                        self.groups += len(v.message.prompts)
+                    else:
+                        self.seen[f"work:{v.message.code}"] += 1
+                except Echo2Error as exc:
+                    self.seen[f"error:{getattr(exc, 'code', type(exc).__name__)}"] += 1
+                    await trio.sleep(0.5)
+
+
+async def _ignore(_peer: str, _data: bytes) -> None:
+    return None
+
+
+async def a6_claims(ctx: Ctx) -> Effect:
+    """Two admitted liars: one claims 1e9 rollouts/s at 0.01 $/h and then re-announces 1e300 $/h,
+    the other claims 1e308. Effect: their share of the tasks issued, the amount billed to them."""
+    h = ctx.h
+    liars = [Claimer(ctx, 1e9, 0.01), Claimer(ctx, 1e308, 0.02)]
+    async with trio.open_nursery() as n:
+        with attacker_source():
+            n.start_soon(liars[0].run, ctx.seconds / 2, 1e300)
+            n.start_soon(liars[1].run)
+        with trio.move_on_after(20):
+            while not all(c.seen["admitted"] or c.seen["refused"] for c in liars):
+                await trio.sleep(0.2)
+        st0 = h.status()
+        await ctx.window()
+        await trio.sleep(1.5)  # the ledger's next status write
+        st1 = h.status()
+        n.cancel_scope.cancel()
+    issued = max(1, int(st1.get("tasks_issued", 0)) - int(st0.get("tasks_issued", 0)))
+    liar_tasks = sum(c.tasks for c in liars)
+    billed = [float(_node_entry(st1, c.peer).get("cost_usd", 0.0) or 0.0) for c in liars]
+    share = round(min(1.0, liar_tasks / issued), 3)
+    effect = {
+        "liar_share_of_tasks": share, "liar_tasks": liar_tasks, "tasks_issued": issued,
+        "liar_groups": sum(c.groups for c in liars),
+        "billed_usd": billed, "ledger_total": st1.get("ledger"),
+        "liars": [{"claimed_rate": c.rate, "seen": dict(c.seen), "at_hub": _node_entry(st1, c.peer)} for c in liars],
+        "activation": st1.get("activation"),
+    }
+    admitted = sum(1 for c in liars if c.seen["admitted"])
+    ok_bill = all(math.isfinite(b) and b <= 1.0 for b in billed)
+    if admitted == 0:
+        return effect, True  # claims refused at the door
+    return effect, share <= 0.5 and ok_bill
+
+
+# --- A9 -------------------------------------------------------------------------------------------
+
+
+async def a9_dataplane_exhaust(ctx: Ctx) -> Effect:
+    """Admitted throwaway keys: one opens many connections to the hub's data plane asking for
+    every chunk in full and never reads; six report node 0 for a corrupt chunk it never sent.
+    Effect: node 0 demoted (reputation, state) and the hub's memory."""
+    from echo2.bench.attack_node import held_manifest
+    from echo2.protocol import envelope, wire
+    from echo2.protocol.errors import Echo2Error
+    from echo2.protocol.messages import ChunkRequest, RelayReport
+    from echo2.protocol.net.dataplane import connect
+
+    h, fz = ctx.h, ctx.fz
+    got = held_manifest(ctx, 0)
+    if got is None:
+        return "not measured: node 0 holds no complete version", None
+    m, _hub = got
+    victim = fz.node_peers[0]
+    stats: Counter[str] = Counter()
+    assert h.swarm.hub is not None
+    peak = RssPeak(h.swarm.hub.pid)
+    before = _node_entry(h.status(), victim)
+
+    async def exhaust(task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
+        from echo2.bench.attack_common import control_host
+
+        async with control_host() as host:
+            d = await admit(host, fz.hub_addr)
+            stats["exhauster_admitted"] += int(d.admitted)
+            task_status.started()
+            req = wire.encode_request(wire.REQ_FULL, m=ChunkRequest(version=m.version, indices=[c.index for c in m.chunks]).to_wire())
+            conns = []
+            try:
+                for _ in range(64):
+                    try:
+                        conns.append(await connect(f"127.0.0.1:{fz.hub_data_port}", host.identity, fz.hub_peer, timeout_s=5))
+                        stats["connections"] += 1
+                    except Echo2Error as exc:
+                        stats[f"refused:{getattr(exc, 'reason', getattr(exc, 'code', type(exc).__name__))}"] += 1
+                while True:
+                    for c in conns:
+                        try:
+                            with trio.move_on_after(0.5):
+                                await c.send_request(req)
+                                stats["full_requests"] += 1
+                        except Exception:
+                            stats["send_failed"] += 1
+                    await trio.sleep(0.2)
+            finally:
+                for c in conns:
+                    await c.abort()
+
+    async def accuse(task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
+        from echo2.bench.attack_common import control_host
+
+        task_status.started()
+        for k in range(6):
+            async with control_host() as host:
+                try:
+                    d = await admit(host, fz.hub_addr)
+                    if not d.admitted:
+                        stats["accuser_refused"] += 1
+                        continue
+                    rep = RelayReport(peer_id=host.identity.peer_id, accused=victim, version=m.version, index=k % len(m.chunks),
+                                      expected_hash=m.chunks[k % len(m.chunks)].enc_hash, got_hash=os.urandom(32))
+                    await host.request(fz.hub_addr, wire.REPORT, envelope.seal(host.identity, rep), max_response=4096, timeout_s=10)
+                    stats["reports_accepted"] += 1
+                except Echo2Error as exc:
+                    stats[f"report:{getattr(exc, 'code', type(exc).__name__)}"] += 1
+
+    async with trio.open_nursery() as n:
+        n.start_soon(peak.run)
+        ctx.begin()
+        with attacker_source():
+            await n.start(exhaust)
+            await n.start(accuse)
+        await trio.sleep(ctx.seconds)
+        ctx.end()
+        n.cancel_scope.cancel()
+    after = _node_entry(h.status(), victim)
+    rep0, rep1 = float(before.get("reputation", 1.0) or 0.0), float(after.get("reputation", 0.0) or 0.0)
+    demoted = (not after) or rep1 < rep0 - 1e-6 or after.get("state") != before.get("state") and after.get("state") not in ("active",)
+    effect = {
+        "honest_parent_demoted": demoted, "victim_before": {k: before.get(k) for k in ("reputation", "state")},
+        "victim_after": {k: after.get(k) for k in ("reputation", "state")} if after else "gone from the fleet",
+        "hub_rss_peak_growth_mib": round(peak.peak, 1), "attacker": dict(stats),
+    }
+    return effect, not demoted and peak.peak <= 64
+
+
+# --- A10 ------------------------------------------------------------------------------------------
+
+
+async def a10_announced_address(ctx: Ctx) -> Effect:
+    """An admitted node announcing data_addr 0.0.0.0, reachable, a 1e6 MB/s upload, holding every
+    version; it reads the hub-signed broadcast plans sent to it. Effect: planned as a parent."""
+    from echo2.protocol import envelope, wire
+    from echo2.protocol.dataframe import FrameType
+    from echo2.protocol.errors import Echo2Error
+    from echo2.protocol.messages import BroadcastPlan, Manifest
+    from echo2.protocol.net.dataplane import connect
+
+    fz = ctx.fz
+    claims: dict[str, Any] = dict(data_addr="0.0.0.0:9", reachable=True, upload_MBps=1e6, max_upload_MBps=0.0)
+    liar = Claimer(ctx, 1.0, 0.0, claims)
+    stats: Counter[str] = Counter()
+    me = [""]
+
+    async def listen_plans(host: Any) -> None:
+        while True:
+            try:
+                conn = await connect(f"127.0.0.1:{fz.hub_data_port}", host.identity, fz.hub_peer, timeout_s=5)
+            except Echo2Error as exc:
+                stats[f"data_link:{getattr(exc, 'reason', getattr(exc, 'code', type(exc).__name__))}"] += 1
+                await trio.sleep(1.0)
+                continue
+            try:
+                await conn.send_request(wire.encode_request(wire.REQ_HELLO, addr="0.0.0.0:9", up=1e6))
+                while True:
+                    f = await conn.receive()
+                    if f.type is not FrameType.MESSAGE:
+                        continue
+                    msg = envelope.open_envelope(bytes(f.payload), (BroadcastPlan, Manifest), replay=None).message
+                    if isinstance(msg, BroadcastPlan):
+                        stats["plans"] += 1
+                        kids = msg.children.get(me[0], [])
+                        if any(kids):
+                            stats["planned_as_parent"] += 1
+                            stats["children"] += sum(len(k) for k in kids)
+            except Exception as exc:
+                stats[f"data_link_ended:{getattr(exc, 'code', type(exc).__name__)}"] += 1
+            finally:
+                await conn.abort()
+
+    async with trio.open_nursery() as n:
+        with attacker_source():
+            n.start_soon(liar.run)
+        with trio.move_on_after(20):
+            while liar.host is None or not liar.seen["admitted"]:
+                await trio.sleep(0.2)
+        if liar.host is None or not liar.seen["admitted"]:
+            n.cancel_scope.cancel()
+            return {"admission": dict(liar.seen)}, True
+        me[0] = liar.peer
+        with attacker_source():
+            n.start_soon(listen_plans, liar.host)
+        await ctx.window()
+        n.cancel_scope.cancel()
+    effect = {"planned_as_parent": stats["planned_as_parent"], "plans_seen": stats["plans"], "children_given": stats["children"],
+              "link": dict(stats), "liar": dict(liar.seen), "liar_tasks": liar.tasks}
+    if stats["plans"] == 0:
+        effect["note"] = "no broadcast plan reached the liar in the window"
+        return effect, None
+    return effect, stats["planned_as_parent"] == 0
