@@ -75,8 +75,9 @@ class Hub:
             self.dispatcher, TaskParams(cfg.group_size, cfg.max_new_tokens, cfg.temperature, cfg.top_p),
             vocab_size=self.tok.vocab_size, stop_ids=self.tok.stop_ids, decode=self.tok.decode, reward=self.env.reward,
         )
-        self.replay = envelope.ReplayGuard()
-        self.gossip_replay = envelope.ReplayGuard(window_s=300.0, max_entries=100_000)
+        # A3: replay state per admitted signer; admission requests (strangers) get a small pool that evicts
+        self.replay, self.gossip_replay = envelope.PeerReplay(), envelope.PeerReplay(window_s=300.0, per_peer=256)
+        self.admission_replay = envelope.ReplayGuard(max_entries=10_000, evict=True)
         self._admission_bucket = KeyedRateLimiter(5.0, 20.0)  # per IP (A11)
         self.publisher = PolicyPublisher(self.identity, self.model_config, self.artifacts, cfg)
         info: Callable[[str], PeerInfo | None] = lambda peer: self.fleet.peer_info(peer)  # noqa: E731 (fleet comes later)
@@ -144,7 +145,7 @@ class Hub:
 
     # --- control-plane handlers (each guarded by ControlHost; raise Echo2Error to refuse) --------
     async def on_admission(self, peer: str, data: bytes) -> bytes:
-        req = envelope.open_envelope(data, AdmissionRequest, replay=self.replay, allowed=self._signed_by(peer, False)).message
+        req = envelope.open_envelope(data, AdmissionRequest, replay=self.admission_replay, allowed=self._signed_by(peer, False)).message
         if req.peer_id != peer or req.announce.peer_id != peer:
             raise MeaningError("admission request names another peer")
         if not self._admission_bucket.allow(address_key(remote_ip() or peer), trio.current_time()):  # per IP: a source drains its own
@@ -223,8 +224,7 @@ class Hub:
         return envelope.seal(self.identity, ErrorReply(code="ok", message=self.fleet.relay_report(peer, rep)))
 
     async def on_announce(self, peer: str, data: bytes) -> None:
-        # only admitted nodes' announcements matter; a separate, smaller replay cache keeps a flood
-        # of throw-away keys from crowding out the one that guards results
+        # only admitted nodes' announcements matter (each signer has its own replay guard, as for the handlers)
         v = envelope.open_envelope(data, Announce, replay=self.gossip_replay, allowed=lambda s, _t: s in self.nodes)
         self.fleet.announced(v.signer, v.message)
 

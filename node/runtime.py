@@ -114,7 +114,7 @@ class Node:
         self.stats = NodeStats()
         self.held: HeldVersion | None = None
         self.version_changed = trio.Event()
-        self.replay = envelope.ReplayGuard()
+        self.replay = envelope.ReplayGuard(max_entries=65_536)  # only the hub's envelopes get here (signer checked first)
         self._engine_lock = trio.Lock()
         self._engine: Any = None
         self._hub_data_addr = ""

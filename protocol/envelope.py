@@ -5,15 +5,18 @@ Wire form: a canonical map ``{"d": domain, "k": signer public key (32 bytes), "n
 ``SIGN_PREFIX + canonical.encode(map without "s")``; the prefix keeps these signatures from ever
 being valid for another echo2 or libp2p signing context with the same key.
 
-:func:`open_envelope` checks in the order of the design brief: size, decoding, schema (incl. the
-domain), signature, signer allowed, expiry, replay. The signature is checked over the bytes
-as received (the canonical map minus its "s" entry is a slice of them), never a re-encoding. Each refusal is its own Echo2Error subclass;
-what the message *means* is the caller's to judge. Pure: no I/O, the clock is a parameter.
+:func:`open_envelope` checks in this order: size; the envelope's own fields, read in place
+(canonical layout, field types and sizes, the domain; the payload stays raw bytes); signature;
+signer allowed; expiry; replay; and only then decodes and schema-checks the payload. So a frame
+nobody trusted signed costs its receiver a copy of its bytes, a hash and a signature check, never
+a payload decode (issue 15, A2: a 4 MB frame of tiny items used to cost +560 MiB and seconds of
+loop time). The signature is checked over the bytes as received (the canonical map minus its "s"
+entry is a slice of them), never a re-encoding. Each refusal is its own Echo2Error subclass; what
+the message *means* is the caller's to judge. Pure: no I/O, the clock is a parameter.
 """
 
 from __future__ import annotations
 
-import heapq
 import math
 import os
 import time
@@ -28,7 +31,6 @@ from .errors import (
     DecodeError,
     Echo2Error,
     Expired,
-    Replay,
     SchemaError,
     SignerNotAllowed,
     TooLarge,
@@ -36,6 +38,9 @@ from .errors import (
 )
 from .identity import Identity, peer_id_from_public_key, verify_signature
 from .messages import MESSAGE_TYPES_BY_DOMAIN, Message
+from .replay import PeerReplay, ReplayCheck, ReplayGuard
+
+__all__ = ["PeerReplay", "ReplayCheck", "ReplayGuard", "Verified", "open_envelope", "peek_domain", "seal"]
 
 SIGN_PREFIX = b"echo2-envelope\x00"
 NONCE_SIZE = 16
@@ -95,45 +100,6 @@ def seal(
     return data
 
 
-class ReplayGuard:
-    """Remembers (signer, nonce) until the envelope expires; bounded in time and memory.
-
-    Envelopes living longer than ``window_s`` are refused by :func:`open_envelope` (Expired), so
-    an entry is never forgotten while its envelope could still be accepted. When full, new
-    envelopes are refused rather than old entries evicted: eviction would reopen a replay.
-    """
-
-    def __init__(self, window_s: float = 600.0, max_entries: int = 1_000_000) -> None:
-        self.window_s = float(window_s)
-        self.max_entries = int(max_entries)
-        self._seen: dict[tuple[Any, bytes], float] = {}
-        self._heap: list[tuple[float, tuple[Any, bytes]]] = []
-
-    def __len__(self) -> int:
-        return len(self._seen)
-
-    def _purge(self, now: float) -> None:
-        heap, seen = self._heap, self._seen
-        while heap and heap[0][0] < now:
-            _, key = heapq.heappop(heap)
-            seen.pop(key, None)
-
-    def check_and_add(self, signer: Any, nonce: bytes, expires: float, now: float) -> None:
-        """Record the nonce; raise Replay if it was already seen (or cannot be tracked)."""
-        self._purge(now)
-        key = (signer, bytes(nonce))
-        if key in self._seen:
-            raise Replay(f"nonce {bytes(nonce).hex()} from {signer} was already seen")
-        if expires > now + self.window_s:
-            raise Replay(
-                f"envelope expires {expires - now:.0f}s from now, beyond the {self.window_s:.0f}s replay window"
-            )
-        if len(self._seen) >= self.max_entries:
-            raise Replay(f"replay cache full ({self.max_entries} live nonces); retry later")
-        self._seen[key] = expires
-        heapq.heappush(self._heap, (expires, key))
-
-
 def _expected_types(expected: type[Message] | tuple[type[Message], ...]) -> tuple[type[Message], ...]:
     types = expected if isinstance(expected, tuple) else (expected,)
     for t in types:
@@ -142,29 +108,134 @@ def _expected_types(expected: type[Message] | tuple[type[Message], ...]) -> tupl
     return types
 
 
-def _check_envelope_schema(env: Any) -> None:
-    if type(env) is not dict:
-        raise SchemaError(f"envelope: expected map, got {type(env).__name__}")
-    keys = set(env)
+def _kind(first: int) -> str:
+    """The Python type name of the msgpack value starting with byte ``first`` (for messages)."""
+    if first <= 0x7F or first >= 0xE0 or 0xCC <= first <= 0xD3:
+        return "int"
+    if 0x80 <= first <= 0x8F or first in (0xDE, 0xDF):
+        return "dict"
+    if 0x90 <= first <= 0x9F or first in (0xDC, 0xDD):
+        return "list"
+    if 0xA0 <= first <= 0xBF or first in (0xD9, 0xDA, 0xDB):
+        return "str"
+    if first in (0xC4, 0xC5, 0xC6):
+        return "bytes"
+    if first in (0xCA, 0xCB):
+        return "float"
+    if first in (0xC2, 0xC3):
+        return "bool"
+    return {0xC0: "NoneType", 0xC1: "invalid"}.get(first, "ext")
+
+
+def _shortest_form(first: int, total: int) -> bool:
+    """Whether a str or bin value of ``total`` encoded bytes starting with ``first`` uses the
+    shortest length form, as the canonical encoding does."""
+    if 0xA0 <= first <= 0xBF:
+        return True  # fixstr: the length is in the byte itself
+    header = {0xD9: 2, 0xDA: 3, 0xDB: 5, 0xC4: 2, 0xC5: 3, 0xC6: 5}[first]
+    n = total - header
+    if first in (0xC4, 0xC5, 0xC6):
+        return first == (0xC4 if n < 256 else 0xC5 if n < 65536 else 0xC6)
+    return n >= 32 and first == (0xD9 if n < 256 else 0xDA if n < 65536 else 0xDB)
+
+
+@dataclass(frozen=True)
+class _Fields:
+    """An envelope's own fields; the payload as its place in the received bytes."""
+
+    domain: str
+    key: bytes
+    nonce: bytes
+    signature: bytes
+    created: float
+    expires: float
+    payload: slice
+
+
+# The fields read as values, each only when its header shows the type and size the schema wants;
+# anything else is stepped over unread (msgpack's C skip), so no field can make us build objects.
+_BIN_FIELDS = {"k": PUBKEY_SIZE, "n": NONCE_SIZE, "s": SIGNATURE_SIZE}
+_MAX_FIELDS = 2 * len(ENVELOPE_KEYS)  # past this, no need to read on to know the envelope is wrong
+
+
+def _read_envelope(mv: memoryview) -> _Fields:
+    """The envelope's fields read in place: DecodeError unless ``mv`` is canonical msgpack as far as
+    read, SchemaError unless the fields are exactly the envelope's. The payload is not decoded."""
+    size = len(mv)
+    if not size:
+        raise DecodeError("empty envelope")
+    up = msgpack.Unpacker(raw=False, max_buffer_size=size, timestamp=0)
+    up.feed(mv)
+    got: dict[str, Any] = {}
+    wrong: set[str] = set()
+    try:
+        if _kind(mv[0]) != "dict":
+            up.skip()
+            if up.tell() != size:
+                raise DecodeError("trailing bytes after the envelope")
+            raise SchemaError(f"envelope: expected map, got {_kind(mv[0])}")
+        count = up.read_map_header()
+        if count > _MAX_FIELDS:
+            raise SchemaError(f"envelope: {count} fields, expected {len(ENVELOPE_KEYS)}")
+        prev: bytes | None = None
+        for _ in range(count):
+            at = up.tell()
+            if at >= size:
+                raise DecodeError(f"envelope is truncated: {count} fields announced")
+            if _kind(mv[at]) != "str":
+                raise DecodeError(f"envelope: map key must be str, got {_kind(mv[at])}")
+            name = up.unpack()
+            raw_name = name.encode()
+            if not _shortest_form(mv[at], up.tell() - at) or (prev is not None and raw_name <= prev):
+                raise DecodeError("envelope is not in canonical form (key order, duplicate keys or length forms)")
+            prev = raw_name
+            at = up.tell()
+            if at >= size:
+                raise DecodeError(f"envelope is truncated after field {name[:32]!r}")
+            first = mv[at]
+            if name == "p" and _kind(first) == "bytes":
+                up.skip()
+                if not _shortest_form(first, up.tell() - at):
+                    raise DecodeError("envelope.p: not in canonical form (length form)")
+                got[name] = slice(at + {0xC4: 2, 0xC5: 3, 0xC6: 5}[first], up.tell())
+            elif (
+                (name in _BIN_FIELDS and first == 0xC4 and mv[at + 1] == _BIN_FIELDS[name])
+                or (name in ("t", "x") and first == 0xCB)
+                or (name == "d" and _kind(first) == "str")
+            ):
+                got[name] = up.unpack()
+                if name == "d" and not _shortest_form(first, up.tell() - at):
+                    raise DecodeError("envelope.d: not in canonical form (length form)")
+            else:
+                up.skip()
+                wrong.add(name)
+        if up.tell() != size:
+            raise DecodeError("trailing bytes after the envelope")
+    except Echo2Error:
+        raise
+    except Exception as exc:  # msgpack raises several unrelated types on garbage
+        raise DecodeError(f"malformed msgpack: {type(exc).__name__}: {str(exc)[:120]}") from exc
+    del up  # its copy of the frame goes before the signed bytes are built
+
+    keys = set(got) | wrong
     if keys != ENVELOPE_KEYS:
         extra = sorted(str(k)[:32] for k in keys - ENVELOPE_KEYS)
         missing = sorted(ENVELOPE_KEYS - keys)
         raise SchemaError(f"envelope: unknown field(s) {extra}, missing field(s) {missing}")
-    d = env["d"]
-    if type(d) is not str or len(d) > MAX_DOMAIN_LEN:
+    d = got.get("d")
+    if d is None or len(d) > MAX_DOMAIN_LEN:
         raise SchemaError(f"envelope.d: expected str of <= {MAX_DOMAIN_LEN} chars")
-    for name, size in (("k", PUBKEY_SIZE), ("n", NONCE_SIZE), ("s", SIGNATURE_SIZE)):
-        v = env[name]
-        if type(v) is not bytes or len(v) != size:
-            raise SchemaError(f"envelope.{name}: expected {size} bytes")
-    if type(env["p"]) is not bytes:
+    for name, n in _BIN_FIELDS.items():
+        if name in wrong:
+            raise SchemaError(f"envelope.{name}: expected {n} bytes")
+    if "p" in wrong:
         raise SchemaError("envelope.p: expected bytes")
     for name in ("t", "x"):
-        v = env[name]
-        if type(v) is not float or not math.isfinite(v):
+        if name in wrong or not math.isfinite(got[name]):
             raise SchemaError(f"envelope.{name}: expected a finite float")
-    if env["x"] < env["t"]:
+    if got["x"] < got["t"]:
         raise SchemaError("envelope: expires before it was created")
+    return _Fields(d, got["k"], got["n"], got["s"], got["t"], got["x"], got["p"])
 
 
 # In canonical key order the signature entry is the fifth of seven (d k n p s t x) and only the two
@@ -193,7 +264,7 @@ def open_envelope(
     expected: type[M],
     *,
     now: float | None = None,
-    replay: ReplayGuard | None,
+    replay: ReplayCheck | None,
     allowed: Callable[[str, type], bool] | None = None,
     max_size: int | None = None,
     clock_skew_s: float = 30.0,
@@ -206,7 +277,7 @@ def open_envelope(
     expected: tuple[type[Message], ...],
     *,
     now: float | None = None,
-    replay: ReplayGuard | None,
+    replay: ReplayCheck | None,
     allowed: Callable[[str, type], bool] | None = None,
     max_size: int | None = None,
     clock_skew_s: float = 30.0,
@@ -218,7 +289,7 @@ def open_envelope(
     expected: type[Message] | tuple[type[Message], ...],
     *,
     now: float | None = None,
-    replay: ReplayGuard | None,
+    replay: ReplayCheck | None,
     allowed: Callable[[str, type], bool] | None = None,
     max_size: int | None = None,
     clock_skew_s: float = 30.0,
@@ -232,81 +303,65 @@ def open_envelope(
     limit = max(t.MAX_SIZE for t in types) if max_size is None else max_size
 
     # 1. size
+    if not isinstance(data, (bytes, bytearray, memoryview)):
+        raise DecodeError(f"envelope is not bytes ({type(data).__name__})")
     try:
-        size = len(data)
+        mv = memoryview(data).cast("B")
     except TypeError as exc:
-        raise DecodeError(f"envelope is not bytes ({type(data).__name__})") from exc
+        raise DecodeError("envelope is not a contiguous byte buffer") from exc
+    size = len(mv)
     if size > limit:
         raise TooLarge(f"envelope of {size} bytes exceeds the limit of {limit} bytes")
 
-    # 2. decoding (envelope, then the payload it carries). A payload of an expected type is
-    # decoded and schema-checked in one go (fastdecode); its refusal is raised in step 3.
-    env = canonical.decode(data, max_size=limit)
+    # 2. the envelope's own fields (a fixed canonical layout), the domain among them; the payload
+    # stays raw bytes: decoding what nobody trusted signed is what made a bad frame expensive
+    env = _read_envelope(mv)
     by_domain = {t.DOMAIN: t for t in types}
-    payload_obj: Any = None
-    message: Message | None = None
-    schema_error: SchemaError | None = None
-    if type(env) is dict and type(env.get("p")) is bytes:
-        guess = by_domain.get(env["d"]) if type(env.get("d")) is str else None
-        if guess is None:
-            payload_obj = canonical.decode(env["p"], max_size=limit)
-        else:
-            try:
-                message = fastdecode.decode_payload(guess, env["p"], max_size=limit)
-            except SchemaError as exc:
-                schema_error = exc
-
-    # 3. schema: envelope fields, domain, payload
-    _check_envelope_schema(env)
-    domain = env["d"]
-    cls = by_domain.get(domain)
+    cls = by_domain.get(env.domain)
     if cls is None:
-        known = MESSAGE_TYPES_BY_DOMAIN.get(domain)
-        what = f"a {known.TYPE} message" if known is not None else f"unknown domain {domain[:64]!r}"
+        known = MESSAGE_TYPES_BY_DOMAIN.get(env.domain)
+        what = f"a {known.TYPE} message" if known is not None else f"unknown domain {env.domain[:64]!r}"
         raise WrongDomain(f"expected {sorted(by_domain)}, got {what}")
     if max_size is None and size > cls.MAX_SIZE:  # a small type must not ride under a large one's limit
         raise TooLarge(f"{cls.TYPE} envelope of {size} bytes exceeds the limit of {cls.MAX_SIZE} bytes")
-    if schema_error is not None:
-        raise schema_error
-    if message is None:
-        message = cls.from_wire(payload_obj)
 
-    # 4. signature, over the bytes as received (no re-encoding of a payload of up to 64 MiB)
-    signer_key: bytes = env["k"]
-    verify_signature(signer_key, env["s"], _signed_bytes(data))
-    signer = peer_id_from_public_key(signer_key)
+    # 3. signature, over the bytes as received (no re-encoding of a payload of up to 64 MiB)
+    verify_signature(env.key, env.signature, _signed_bytes(mv))
+    signer = peer_id_from_public_key(env.key)
 
-    # 5. signer allowed for this message type
+    # 4. signer allowed for this message type
     if allowed is not None and not allowed(signer, cls):
         raise SignerNotAllowed(f"{signer} may not send {cls.TYPE} messages")
 
-    # 6. expiry, including created too far in the future
+    # 5. expiry, including created too far in the future
     t_now = time.time() if now is None else float(now)
-    created: float = env["t"]
-    expires: float = env["x"]
-    if t_now > expires:
-        raise Expired(f"{cls.TYPE} from {signer} expired {t_now - expires:.1f}s ago")
-    if created > t_now + clock_skew_s:
+    if t_now > env.expires:
+        raise Expired(f"{cls.TYPE} from {signer} expired {t_now - env.expires:.1f}s ago")
+    if env.created > t_now + clock_skew_s:
         raise Expired(
-            f"{cls.TYPE} from {signer} is dated {created - t_now:.1f}s in the future "
+            f"{cls.TYPE} from {signer} is dated {env.created - t_now:.1f}s in the future "
             f"(allowed clock skew {clock_skew_s:.0f}s)"
         )
-    if replay is not None and expires > t_now + replay.window_s:
+    if replay is not None and env.expires > t_now + replay.window_s:
         raise Expired(
-            f"{cls.TYPE} from {signer} expires {expires - t_now:.0f}s from now, "
+            f"{cls.TYPE} from {signer} expires {env.expires - t_now:.0f}s from now, "
             f"beyond the {replay.window_s:.0f}s replay window"
         )
 
-    # 7. replay
+    # 6. replay
     if replay is not None:
-        replay.check_and_add(signer, env["n"], expires, t_now)
+        replay.check_and_add(signer, env.nonce, env.expires, t_now)
+
+    # 7. the payload, decoded and schema-checked in one go (fastdecode), now that a known signer
+    # vouches for it; its size is already within the type's limit
+    message = fastdecode.decode_payload(cls, bytes(mv[env.payload]), max_size=limit)
 
     return Verified(
         signer=signer,
         message=message,
-        created=created,
-        expires=expires,
-        nonce=env["n"],
+        created=env.created,
+        expires=env.expires,
+        nonce=env.nonce,
         raw=bytes(data),
     )
 

@@ -304,6 +304,8 @@ def test_replay_guard_memory_is_bounded() -> None:
 
 
 def test_check_order() -> None:
+    # Issue 15 (A2) moved the payload's decoding and schema after the signature, signer, expiry
+    # and replay checks: only the envelope's own fields are read before the signature.
     guard = ReplayGuard()
     good = seal(NODE, small_msg(), now=NOW)
     open_envelope(good, HoldsVersion, now=NOW, replay=guard)
@@ -313,13 +315,16 @@ def test_check_order() -> None:
     # size before everything
     with pytest.raises(TooLarge):
         open_envelope(b"\xc1" * 10_000, HoldsVersion, now=NOW, replay=guard)
-    # schema before signature
-    bad_both = canonical.encode({**body, "s": bytes(64), "p": canonical.encode({"x": 1})})
-    with pytest.raises(SchemaError):
-        open_envelope(bad_both, HoldsVersion, now=NOW, replay=guard)
+    # the envelope's own fields before the signature
+    with pytest.raises(SchemaError, match="envelope.k"):
+        open_envelope(canonical.encode({**body, "s": bytes(64), "k": b"\x01"}), HoldsVersion, now=NOW, replay=guard)
     # domain before signature
     with pytest.raises(WrongDomain):
         open_envelope(bad_sig, Task, now=NOW, replay=guard)
+    # signature before the payload's schema (the old order checked the payload first)
+    bad_both = canonical.encode({**body, "s": bytes(64), "p": canonical.encode({"x": 1})})
+    with pytest.raises(BadSignature):
+        open_envelope(bad_both, HoldsVersion, now=NOW, replay=guard)
     # signature before signer / expiry / replay
     with pytest.raises(BadSignature):
         open_envelope(bad_sig, HoldsVersion, now=NOW + 1e6, replay=guard, allowed=never)
@@ -331,6 +336,16 @@ def test_check_order() -> None:
         open_envelope(good, HoldsVersion, now=NOW + 1e6, replay=guard)
     with pytest.raises(Replay):
         open_envelope(good, HoldsVersion, now=NOW, replay=guard)
+    # signer, expiry and replay before the payload's schema: authentic garbage is refused last
+    signed_garbage = resign({**body, "n": b"\x07" * 16, "p": canonical.encode({"x": 1})})
+    with pytest.raises(SignerNotAllowed):
+        open_envelope(signed_garbage, HoldsVersion, now=NOW, replay=guard, allowed=never)
+    with pytest.raises(Expired):
+        open_envelope(signed_garbage, HoldsVersion, now=NOW + 1e6, replay=guard)
+    with pytest.raises(SchemaError, match="HoldsVersion"):
+        open_envelope(signed_garbage, HoldsVersion, now=NOW, replay=guard)
+    with pytest.raises(Replay):
+        open_envelope(signed_garbage, HoldsVersion, now=NOW, replay=guard)
 
 
 def test_refused_envelope_does_not_burn_its_nonce() -> None:
@@ -401,3 +416,73 @@ def test_signed_bytes_cut_from_the_envelope_equal_the_reencoded_body(msg: messag
     body = canonical.decode(data, max_size=1 << 26)
     del body["s"]
     assert envelope._signed_bytes(memoryview(data)) == SIGN_PREFIX + canonical.encode(body)
+
+
+# --- issue 15, A2: a frame nobody trusted signed is never decoded -------------------------------
+
+
+def _hostile_body(payload_len: int) -> dict[str, Any]:
+    """A 'Result' envelope body whose payload is an array of empty maps (the costliest to decode: a
+    dict per byte), with a zero signature and a real-looking key."""
+    n = payload_len - 5
+    payload = b"\xdd" + n.to_bytes(4, "big") + b"\x80" * n
+    return {"d": messages.Result.DOMAIN, "k": NODE.public_bytes, "n": NONCE, "p": payload,
+            "s": bytes(64), "t": NOW, "x": NOW + 60.0}  # fmt: skip
+
+
+def _no_decoding(monkeypatch: pytest.MonkeyPatch) -> None:
+    def refuse(*a: Any, **kw: Any) -> Any:
+        raise AssertionError("the payload was decoded before its signature was checked")
+
+    monkeypatch.setattr(envelope.fastdecode, "decode_payload", refuse)
+    monkeypatch.setattr(envelope.canonical, "decode", refuse)
+
+
+def _peak_bytes(call: Any) -> int:
+    """Peak traced memory ``call()`` allocates on top of what was allocated before it."""
+    import tracemalloc
+
+    tracemalloc.start()
+    try:
+        base = tracemalloc.get_traced_memory()[0]
+        call()
+        return tracemalloc.get_traced_memory()[1] - base
+    finally:
+        tracemalloc.stop()
+
+
+def _refused(exc: type[Exception], data: Any, **kw: Any) -> Any:
+    def call() -> None:
+        with pytest.raises(exc):
+            open_envelope(data, messages.Result, **{"now": NOW, "replay": None, **kw})
+
+    return call
+
+
+def test_a2_bad_signature_never_decodes_the_payload(monkeypatch: pytest.MonkeyPatch) -> None:
+    frame = canonical.encode(_hostile_body(4 * 1024 * 1024))
+    _no_decoding(monkeypatch)
+    for data in (frame, memoryview(frame), bytearray(frame)):
+        peak = _peak_bytes(_refused(BadSignature, data, replay=ReplayGuard()))
+        assert peak < 2 * len(frame), f"opening a {len(frame)} byte frame peaked at {peak} bytes"
+    # an unknown field holding a big nested value is stepped over, not built
+    n = 1_000_000
+    nested = b"\x88" + canonical.encode(_hostile_body(64))[1:] + b"\xa1z\xdd" + n.to_bytes(4, "big") + b"\x80" * n
+    with pytest.raises(SchemaError, match=r"unknown field\(s\) \['z'\]"):
+        open_envelope(nested, messages.Result, now=NOW, replay=None)
+    peak = _peak_bytes(_refused(SchemaError, nested))
+    assert peak < 2 * len(nested), f"opening a {len(nested)} byte frame peaked at {peak} bytes"
+
+
+def test_a2_nothing_but_the_signature_before_the_signature(monkeypatch: pytest.MonkeyPatch) -> None:
+    # A frame signed by a key nobody allowed: refused after the signature check, still undecoded.
+    frame = resign({**_hostile_body(1024 * 1024), "k": OTHER.public_bytes}, identity=OTHER)
+    _no_decoding(monkeypatch)
+    with pytest.raises(SignerNotAllowed):
+        open_envelope(frame, messages.Result, now=NOW, replay=ReplayGuard(), allowed=lambda s, c: False)
+    with pytest.raises(Expired):
+        open_envelope(frame, messages.Result, now=NOW + 3600, replay=ReplayGuard())
+    guard = ReplayGuard()
+    guard.check_and_add(OTHER.peer_id, NONCE, NOW + 60, NOW)
+    with pytest.raises(Replay):
+        open_envelope(frame, messages.Result, now=NOW, replay=guard)
