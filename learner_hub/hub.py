@@ -45,7 +45,7 @@ from .dispatch import DispatchConfig, Dispatcher
 from .envs import make_env
 from .fleet import Fleet, NodeInfo
 from .hubstatus import hub_status, write_status, write_status_file
-from .intake import Accept, Intake, Punish, TaskParams
+from .intake import Accept, Intake, Punish, TaskParams, result_tokens
 from .ledger import Ledger
 from .outbox import Outbox
 from .publisher import PolicyPublisher, StarSender
@@ -177,11 +177,11 @@ class Hub:
         node = self.nodes[peer]
         now = node.last_seen = time.time()
         verdict = self.intake.judge(peer, r, now, self.learner.version)
-        n = len(r.completions)
+        n, tokens = len(r.completions), result_tokens(r)  # counted here, not the node's claim
         if not isinstance(verdict, Accept):
             reason = verdict.error.code if isinstance(verdict, Punish) else verdict.code
             self.store.submit(HubStore.record_result, r.task_id, peer, r.version, accepted=False, reason=reason,
-                              tokens=r.tokens, rollouts=n, received_at=now)
+                              tokens=tokens, rollouts=n, received_at=now)
             if isinstance(verdict, Punish):
                 self.fleet.punish(peer, Event.FORGED, verdict.error.message)
             else:
@@ -191,12 +191,12 @@ class Hub:
             raise verdict.error
         # store: the result and its ledger entry in one durable transaction, queued before the rows
         # can be trained (and marked so), committed before the node hears "accepted"
-        pending = self.store.request(HubStore.record_accepted, r.task_id, peer, r.version, tokens=r.tokens, rollouts=n,
+        pending = self.store.request(HubStore.record_accepted, r.task_id, peer, r.version, tokens=tokens, rollouts=n,
                                      received_at=now, payload=encode_groups(verdict.rows),
                                      price_micro=self.fleet.task_price_micro(r.task_id, peer))
-        self.ledger.accept(peer, n, r.tokens)
+        self.ledger.accept(peer, n, tokens)
         self.reputation.record(peer, Event.ACCEPTED)
-        node.tasks_done, node.rollouts, node.tokens = node.tasks_done + 1, node.rollouts + n, node.tokens + r.tokens
+        node.tasks_done, node.rollouts, node.tokens = node.tasks_done + 1, node.rollouts + n, node.tokens + tokens
         self.trainer.add(r.task_id, verdict.rows, r.version)
         self.outbox.feed()
         await pending.wait()

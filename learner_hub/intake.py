@@ -98,6 +98,19 @@ class Accept:
     late: bool
 
 
+def result_tokens(r: Result) -> int:
+    """The completion tokens a Result carries, counted here: what the ledger and the store record
+    (``Result.tokens`` is the node's claim and goes unused)."""
+    return sum(len(c.token_ids) for c in r.completions)
+
+
+def derive_finish_reason(token_ids: list[int], stop_ids: frozenset[int]) -> str:
+    """How a completion ended, read off its tokens: an engine stops on a stop token and keeps it
+    (``"stop"``); anything else ran out of ``max_new_tokens`` (``"length"``), whatever the node
+    claimed."""
+    return "stop" if token_ids and token_ids[-1] in stop_ids else "length"
+
+
 @dataclass(frozen=True)
 class Refuse:
     code: str
@@ -227,6 +240,9 @@ class Intake:
                 raise MeaningError("completion longer than max_new_tokens")
             if any(t >= self.vocab_size for t in c.token_ids):
                 raise MeaningError("token id outside the vocabulary")
+            if any(t in self.stop_ids for t in c.token_ids[:-1]):
+                # engines stop at the first stop token: text after one cannot be a sample
+                raise MeaningError("completion goes on after a stop token")
 
     def _rows(self, task: TaskAssignment, r: Result, peer: str) -> list[Group]:
         by_prompt: dict[int, list[Any]] = {}
@@ -239,7 +255,8 @@ class Intake:
 
     def _sample(self, g: PromptGroup, c: Any, version: int, peer: str) -> Sample:
         ids = list(c.token_ids)
-        text_ids = ids[:-1] if ids and ids[-1] in self.stop_ids else ids
-        reward = float(self.reward(g.item, self.decode(text_ids), c.finish_reason))
+        finish = derive_finish_reason(ids, self.stop_ids)  # c.finish_reason is only the node's claim
+        text_ids = ids[:-1] if finish == "stop" else ids
+        reward = float(self.reward(g.item, self.decode(text_ids), finish))
         return Sample(token_ids=ids, logprobs=list(c.logprobs), reward=reward, version=version, node_id=peer,
-                      finish_reason=c.finish_reason)
+                      finish_reason=finish)

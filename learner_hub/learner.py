@@ -138,9 +138,13 @@ class Learner:
     # ------------------------------------------------------------------ log-probs
 
     def _batch_logprobs(
-        self, model: torch.nn.Module, rows: Sequence[tuple[Sequence[int], Sequence[int]]]
+        self,
+        model: torch.nn.Module,
+        rows: Sequence[tuple[Sequence[int], Sequence[int]]],
+        dtype: torch.dtype | None = None,
     ) -> tuple[Tensor, Tensor]:
-        """Teacher-forced log-probs of each row's completion: ``([B, Lc] logp, [B, Lc] mask)``."""
+        """Teacher-forced log-probs of each row's completion: ``([B, Lc] logp, [B, Lc] mask)``,
+        computed in ``dtype`` (the learner's compute dtype unless given)."""
         b = len(rows)
         lens = [len(p) + len(c) for p, c in rows]
         lc = max((len(c) for _, c in rows), default=0)
@@ -165,7 +169,7 @@ class Learner:
         pos = torch.arange(width, dtype=torch.long).unsqueeze(0).expand(b, width)
         ids, attn, pos = ids.to(self.device), attn.to(self.device), pos.to(self.device)
         pred_pos, targets, cmask = pred_pos.to(self.device), targets.to(self.device), cmask.to(self.device)
-        with _autocast(self.device, self.dtype):
+        with _autocast(self.device, dtype or self.dtype):
             out = model(input_ids=ids, attention_mask=attn, position_ids=pos, use_cache=False)
         logits = out.logits
         # Only the completion positions are needed: gather them before the vocab-wide softmax so
@@ -192,6 +196,19 @@ class Learner:
         out: list[list[float]] = []
         for chunk in self._micro_batches(rows):
             logp, _ = self._batch_logprobs(self.model, [rows[i] for i in chunk])
+            for j, i in enumerate(chunk):
+                out.append([float(x) for x in logp[j, : len(rows[i][1])].tolist()])
+        return out
+
+    @torch.no_grad()
+    def reference_logprobs(
+        self, model: torch.nn.Module, rows: Sequence[tuple[Sequence[int], Sequence[int]]]
+    ) -> list[list[float]]:
+        """Log-probs of ``rows`` under ``model`` (on the learner's device) computed in float32,
+        whatever the learner's compute dtype: the verification reference (see verify.py)."""
+        out: list[list[float]] = []
+        for chunk in self._micro_batches(rows):
+            logp, _ = self._batch_logprobs(model, [rows[i] for i in chunk], dtype=torch.float32)
             for j, i in enumerate(chunk):
                 out.append([float(x) for x in logp[j, : len(rows[i][1])].tolist()])
         return out

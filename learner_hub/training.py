@@ -1,7 +1,7 @@
 """Training: the learner loop. Accepted rows wait in the replay buffer; a full batch becomes a
-GRPO step (in a worker thread), its rows are verified (the in-step check and spot checks of stale
-rows against the published parent version), the new version is published, and every K steps a
-checkpoint is written. The trio loop only schedules: every heavy stage runs in a thread.
+GRPO step (in a worker thread) once its rows are verified (verify.py: recomputed under the
+published version each names; a node's failing rows never reach the step), the new version is
+published, and every K steps a checkpoint is written. The trio loop only schedules: every heavy stage runs in a thread.
 """
 
 from __future__ import annotations
@@ -9,6 +9,7 @@ from __future__ import annotations
 import copy
 import logging
 import time
+from collections import Counter
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
@@ -25,6 +26,7 @@ from .publisher import PolicyPublisher
 from .rows import Group, decode_groups
 from .store import HubStore
 from .storeworker import StoreWorker
+from .verify import Verifier, published_weights
 
 log = logging.getLogger(__name__)
 
@@ -78,7 +80,9 @@ class Trainer:
         self.spot_checks = 0
         self.prompt_seq = 0
         self.started = time.time()
-        self._scratch: Any = None  # a model copy for spot-checks against parent versions
+        #: every row is checked against the published weights it was made with before a step
+        self.verifier = Verifier(learner, published_weights(publisher), cfg.logprob_tolerance)
+        self.trained_rows: Counter[str] = Counter()  # node -> rows that entered a GRPO step
         self._buffer_changed = trio.Event()
         self._trained: set[str] = set()  # tasks with a group trained and groups still buffered
         publisher.on_closed = lambda h: store.submit(
@@ -95,15 +99,16 @@ class Trainer:
         self._buffer_changed.set()
         return n
 
-    def _dropped(self, item: Item) -> None:
-        """A buffered group left without being trained (stale, evicted, its node banned)."""
+    def _dropped(self, item: Item, reason: str = "stale") -> None:
+        """A buffered group left without being trained (stale, evicted, its node banned, or it
+        failed verification)."""
         tid = item[0]
         if self.book.group_gone(tid):
             if tid in self._trained:
                 self._trained.discard(tid)
                 self.store.submit(HubStore.mark_trained, [tid], self.learner.version)
             else:
-                self.store.submit(HubStore.drop_pending, [tid], "stale")
+                self.store.submit(HubStore.drop_pending, [tid], reason)
 
     def drop_rows_of(self, peer: str) -> None:
         self.buffer.remove_if(lambda item: any(smp.node_id == peer for smp in item[1].samples))
@@ -212,15 +217,20 @@ class Trainer:
             if self.t_first_batch is None:
                 self.t_first_batch = t0
             self.training = True
-            # the batch just left the buffer: hand out the next one now, so that generation
-            # overlaps this step (that is what the staleness bound buys)
-            feed()
-            groups = [g for _, (_, g) in batch]
             try:
-                v_before = self.learner.version
+                # the batch just left the buffer: hand out the next one now, so that generation
+                # overlaps this step (that is what the staleness bound buys)
+                feed()
+                batch = await self._verified(batch, checked)
+                if not batch:
+                    continue
+                groups = [g for _, (_, g) in batch]
                 stats = await trio.to_thread.run_sync(self.learner.step, groups)
             finally:
                 self.training = False
+            for g in groups:
+                for smp in g.samples:
+                    self.trained_rows[smp.node_id] += 1
             t1 = time.time()
             self.busy_s += t1 - t0
             self.t_last_step_end = t1
@@ -232,6 +242,7 @@ class Trainer:
                     "loss": stats.loss,
                     "staleness_mean": stats.staleness_mean,
                     "mismatch_max": stats.mismatch_max,
+                    "rows": stats.sequences,
                     "train_s": round(t1 - t0, 4),
                     "busy_fraction": self.busy_fraction(),
                     "predicted_busy_fraction": predicted_busy(),
@@ -241,8 +252,6 @@ class Trainer:
                 "step %d reward %.3f loss %.4f staleness %.2f busy %.2f",
                 self.learner.version, stats.reward_mean, stats.loss, stats.staleness_mean, self.busy_fraction(),
             )
-            spot = await trio.to_thread.run_sync(self._spot_check, groups, v_before)
-            checked(self._diffs(stats, spot))
             await self.publish()
             feed()
             await self._persist_step([tid for _, (tid, _) in batch], fleet_job(self.learner.version))
@@ -252,54 +261,33 @@ class Trainer:
                 await res
         log.info("finished %d steps", self.cfg.steps)
 
-    # --- verification (BRIEF §7) -------------------------------------------------------------------
-    def _diffs(self, stats: Any, spot: dict[str, float]) -> dict[str, float]:
-        """Node log-probs must match the learner's: rows made with its current version (all of
-        them, checked during the step) and a spot-check of stale rows (``spot``)."""
-        # The learner's in-step check compares with its own master weights: exact only when nodes
-        # run exactly those (fp32 publication); with bf16 publication the spot-check against the
-        # published weights (which covers the current version too) is the reference.
-        diffs = dict(stats.mismatch_by_node) if self.cfg.publish_dtype == self.cfg.dtype else {}
-        for peer, d in spot.items():
-            diffs[peer] = max(d, diffs.get(peer, 0.0))
-        return diffs
-
-    def _spot_check(self, groups: list[Group], current: int) -> dict[str, float]:
-        """Recompute a sample of stale rows (one per node and version) under the published
-        parent version they were made with, kept by the publisher (worker thread)."""
-        from echo2.models import statedict
-        from echo2.models.spec import teacher_forced_logprobs
-
-        # rows of the current version are already checked in the step when nodes run the master
-        # weights themselves; otherwise they are spot-checked here like stale ones
-        same_weights = self.cfg.publish_dtype == self.cfg.dtype
-        picked: dict[tuple[str, int], tuple[list[int], Any]] = {}
-        for g in groups:
-            for smp in g.samples:
-                if (
-                    smp.version <= current
-                    and (smp.version < current or not same_weights)
-                    and smp.node_id
-                    and (smp.node_id, smp.version) not in picked
-                    and smp.token_ids
-                ):
-                    picked[(smp.node_id, smp.version)] = (g.prompt_ids, smp)
-        out: dict[str, float] = {}
-        if not picked:
-            return out
-        if self._scratch is None:
-            self._scratch = copy.deepcopy(self.learner.model).eval().requires_grad_(False)
-        for version in sorted({v for _, v in picked}):
-            pub = self.publisher.recent.get(version)
-            if pub is None:
-                continue
-            sd = statedict.assemble(pub.packed.manifest, pub.packed.raw_chunks)
-            self._scratch.load_state_dict({k: t.float() if t.is_floating_point() else t for k, t in sd.items()})
-            for (peer, v), (prompt, smp) in picked.items():
-                if v != version:
-                    continue
-                ref = teacher_forced_logprobs(self._scratch, prompt, smp.token_ids, self.cfg.temperature)
-                diff = max((abs(a - b) for a, b in zip(ref, smp.logprobs, strict=True)), default=0.0)
-                out[peer] = max(out.get(peer, 0.0), diff)
-        self.spot_checks += len(picked)
-        return out
+    # --- verification (BRIEF §7; see verify.py) ----------------------------------------------------
+    async def _verified(self, batch: list[tuple[int, Item]], checked: Callable[[dict[str, float]], None]) -> list[tuple[int, Item]]:
+        """The batch with every group of a node that failed the check removed, topped up from the
+        buffer (those checked too) while it has groups; each node's worst difference goes to
+        ``checked`` (the fleet's reputation) before any row of the batch is trained."""
+        good: list[tuple[int, Item]] = []
+        worst: dict[str, float] = {}
+        failed: set[str] = set()
+        while batch:
+            verdict = await trio.to_thread.run_sync(self.verifier.check, [g for _, (_, g) in batch])
+            for peer, d in verdict.worst.items():
+                worst[peer] = max(d, worst.get(peer, 0.0))
+            good.extend(batch[i] for i in verdict.kept)
+            for i in verdict.rejected:
+                self._dropped(batch[i][1], "mismatch")
+            for i in verdict.unverifiable:
+                self._dropped(batch[i][1], "unverifiable")
+            if verdict.failed:
+                failed |= verdict.failed
+                log.warning("verification: rows of %s failed (max |Δlogprob| %s); dropped before the step",
+                            sorted(verdict.failed), {p: f"{worst[p]:.3g}" for p in sorted(verdict.failed)})
+            # a liar's groups that passed (earlier in this batch, or unsampled) go too
+            for item in [e for e in good if any(s.node_id in failed for s in e[1][1].samples)]:
+                good.remove(item)
+                self._dropped(item[1], "mismatch")
+            missing = self.cfg.prompts_per_step - len(good)
+            batch = (self.buffer.take_batch(self.learner.version, missing) or []) if missing > 0 and len(batch) > len(verdict.kept) else []
+        self.spot_checks = self.verifier.rows_checked
+        checked(worst)
+        return good
