@@ -16,7 +16,7 @@ import gc
 import logging
 from typing import Any
 
-from echo2.models.engine_api import is_out_of_memory
+from echo2.models.engine_api import EngineError, is_out_of_memory
 from echo2.protocol.messages import Completion, Task
 
 from .budget import OutOfMemory
@@ -45,6 +45,8 @@ def _release_memory() -> None:
 def generate_bounded(engine: Any, task: Task, batch_rows: int) -> tuple[list[Completion], int]:
     """(the task's completions, in prompt order; the batch size that worked, ≤ ``batch_rows``)."""
     prompts = [list(p) for p in task.prompts]
+    if not prompts:
+        raise EngineError("no prompts")  # else the loop below would answer an empty result
     g = task.group_size
     batch_rows = max(1, batch_rows)
     out: list[Completion] = []

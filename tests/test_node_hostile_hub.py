@@ -5,6 +5,7 @@ attention and the model hub offline (A8)."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import sys
@@ -18,7 +19,7 @@ import trio
 
 from echo2.models import spec as ms
 from echo2.models import statedict
-from echo2.models.engine import TransformersEngine
+from echo2.models.engine import EngineError, TransformersEngine
 from echo2.models.offline import OFFLINE_VARS, is_offline, model_hub_offline
 from echo2.node.budget import (
     Budget,
@@ -248,6 +249,8 @@ def test_a7_batched_generation_matches_unbatched_when_it_fits() -> None:
                 temperature=1.0, top_p=1.0, seed=9, min_version=0, max_version_lag=0, deadline=0.0)
     whole, rows = generate_bounded(eng, task, 9)
     assert rows == 9 and whole == eng.generate([list(p) for p in task.prompts], 3, 4, 1.0, 1.0, 9)
+    with pytest.raises(EngineError, match="no prompts"):
+        generate_bounded(eng, dataclasses.replace(task, prompts=[]), 4)
     for batch in (1, 2, 4, 6):
         got, _ = generate_bounded(eng, task, batch)
         assert [c.prompt_index for c in got] == [0, 0, 0, 1, 1, 1, 2, 2, 2], batch
