@@ -342,7 +342,7 @@ class Fuzz:
         import trio
 
         requests = [
-            b"GET /status.json HTTP/1.1\r\nHost: x\r\n\r\n",
+            b"GET /status.json HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n",
             b"POST /status.json HTTP/1.1\r\nContent-Length: 5\r\n\r\nhello",
             b"GET /" + b"a" * 20000 + b" HTTP/1.1\r\n\r\n",
             b"\x00\xff garbage \r\n\r\n",

@@ -69,7 +69,7 @@ def scrape_metrics(port: int) -> dict[str, float]:
     out: dict[str, float] = {}
     try:
         with socket.create_connection(("127.0.0.1", port), timeout=5) as s:
-            s.sendall(b"GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n")
+            s.sendall(b"GET /metrics HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
             buf = b""
             while True:
                 data = s.recv(65536)

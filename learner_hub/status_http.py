@@ -4,7 +4,10 @@ A small HTTP/1.1 server on trio, h11 parsing the requests and framing the respon
 (HEAD and every other method get 405), one request per connection (``Connection: close``), the
 request head read with a size limit and a timeout, everything else answered 400/404/431/501.
 The ``/metrics`` text is rendered by prometheus-client. It is read-only and binds to 127.0.0.1
-by default, so exposing it is an explicit operator decision (e.g. through an SSH tunnel).
+by default, so exposing it is an explicit operator decision (e.g. through an SSH tunnel). A
+request must name this server in its Host header (a localhost name, the bound address, or an
+operator-configured name; any port): a page whose DNS name was re-pointed at 127.0.0.1 (DNS
+rebinding) gets 421, a request without Host 400.
 
 Routes: ``/status.json`` (``status_provider()``), ``/`` (HTML rendered from the same dict, no
 JavaScript), ``/metrics`` (Prometheus text format 0.0.4 from ``metrics_provider()``).
@@ -294,12 +297,32 @@ td,th{{border:1px solid #ccc;padding:2px 8px;text-align:left;font-size:13px}}th{
 
 
 # --- HTTP server -----------------------------------------------------------------------------------
-_REASONS = {200: "OK", 400: "Bad Request", 404: "Not Found", 405: "Method Not Allowed",
+_REASONS = {200: "OK", 400: "Bad Request", 404: "Not Found", 405: "Method Not Allowed", 421: "Misdirected Request",
             431: "Request Header Fields Too Large", 500: "Internal Server Error", 501: "Not Implemented"}
 _CONTENT_TYPE_METRICS = prometheus_client.exposition.CONTENT_TYPE_PLAIN_0_0_4
-# h11 refuses an HTTP/1.1 request without Host (RFC 9112 3.2); this server answers for one host
-# only, and simple clients (and probes) omit it, so such a request is re-read with a Host added.
-_MISSING_HOST = "Missing mandatory Host: header"
+#: Names that always mean this machine. A browser sends the name it resolved in Host, so a page
+#: on evil.example whose name was re-pointed at 127.0.0.1 (DNS rebinding) is told apart here.
+LOCAL_NAMES = frozenset({"localhost", "127.0.0.1", "::1"})
+_WILDCARDS = frozenset({"", "0.0.0.0", "::"})
+
+
+def host_name(header: bytes) -> str | None:
+    """The name part of a Host header value (port and IPv6 brackets removed, lower case, no
+    trailing dot), or None when it is not a plausible host."""
+    try:
+        text = header.decode("ascii").strip().lower()
+    except UnicodeDecodeError:
+        return None
+    if text.startswith("["):
+        name, sep, rest = text[1:].partition("]")
+        if not sep or (rest and not (rest.startswith(":") and rest[1:].isdigit())):
+            return None
+    else:
+        name, _, port = text.partition(":")
+        if port and not port.isdigit():
+            return None
+    name = name.rstrip(".")
+    return name or None
 
 
 @dataclass(frozen=True)
@@ -337,10 +360,14 @@ class StatusServer:
         max_request_bytes: int = MAX_REQUEST_BYTES,
         timeout_s: float = REQUEST_TIMEOUT_S,
         max_connections: int = MAX_CONNECTIONS,
+        allowed_hosts: Sequence[str] = (),
     ) -> None:
         self.status_provider = status_provider
         self.metrics_provider = metrics_provider
         self.host = host
+        # The port is not checked: an SSH tunnel shows the server under another port.
+        bound = set() if host in _WILDCARDS else {host.strip("[]").lower()}
+        self.allowed_hosts = frozenset(LOCAL_NAMES | bound | {h.strip("[]").lower().rstrip(".") for h in allowed_hosts})
         self.port = port
         self.max_request_bytes = max_request_bytes
         self.timeout_s = timeout_s
@@ -389,13 +416,11 @@ class StatusServer:
         the client left without asking. h11 refuses a head over ``max_request_bytes`` (431) and
         one cut short by end of input."""
         conn = self._connection()
-        received = bytearray()  # bounded by h11's size limit; kept to re-read a request without Host
+        received = 0
         while True:
             try:
                 event = conn.next_event()
             except h11.RemoteProtocolError as exc:
-                if str(exc) == _MISSING_HOST:
-                    return self._reread_with_host(bytes(received), conn)
                 hint = exc.error_status_hint
                 return conn, _text(hint, "request head too large" if hint == 431 else f"bad request: {exc}")
             if isinstance(event, h11.Request):
@@ -403,21 +428,9 @@ class StatusServer:
             if isinstance(event, h11.ConnectionClosed):
                 return conn, None
             # never more than limit + 1 bytes: a head that does not end within the limit is 431
-            data = await stream.receive_some(min(4096, self.max_request_bytes + 1 - len(received)))
-            received += data
+            data = await stream.receive_some(min(4096, self.max_request_bytes + 1 - received))
+            received += len(data)
             conn.receive_data(data)
-
-    def _reread_with_host(self, received: bytes, conn: h11.Connection) -> tuple[h11.Connection, h11.Request | Response]:
-        line_end = received.find(b"\n") + 1
-        again = self._connection()
-        again.receive_data(received[:line_end] + b"Host: localhost\r\n" + received[line_end:])
-        try:
-            event = again.next_event()
-        except h11.RemoteProtocolError as exc:
-            return again, _text(exc.error_status_hint, f"bad request: {exc}")
-        if not isinstance(event, h11.Request):  # unreachable: the first read had the whole head
-            return conn, _text(400, "incomplete request")
-        return again, event
 
     async def _serve_one(self, stream: trio.abc.Stream) -> None:
         conn, got = await self._read_request(stream)
@@ -462,6 +475,13 @@ class StatusServer:
             return _text(400, "request head is not ASCII")
         if request.method != b"GET":
             return _text(405, "only GET is supported", [("Allow", "GET")])
+        hosts = [v for k, v in request.headers if k == b"host"]
+        if not hosts:  # HTTP/1.1 requires it (h11 enforces that); an HTTP/1.0 request gets the same answer
+            return _text(400, "a Host header is required")
+        name = host_name(bytes(hosts[0]))
+        if name not in self.allowed_hosts:
+            log.info("status HTTP: refused a request for host %r (DNS rebinding?)", bytes(hosts[0])[:100])
+            return _text(421, "this server does not answer for that host name")
         path = target.decode("ascii").split("?", 1)[0].split("#", 1)[0]
         try:
             if path == "/status.json":

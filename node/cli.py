@@ -26,6 +26,12 @@ def register(parser: argparse.ArgumentParser) -> None:
                      help="join token printed by `echo2 hub token` (or set ECHO2_JOIN_TOKEN; visible in ps otherwise)")
     run.add_argument("--join-token-file", type=Path, default=None, help="read the join token from this file")
     run.add_argument("--threads", type=int, default=0, help="torch threads (0 = torch default)")
+    run.add_argument("--memory-budget-MiB", type=int, default=0, dest="memory_budget_MiB",
+                     help="memory a hub may make this node use for the model and its tasks; larger models are "
+                          "refused and larger tasks declined (default 0: 80%% of RAM, or of GPU memory)")
+    run.add_argument("--allow-model-hub", action="store_true",
+                     help="let transformers reach the Hugging Face hub (default: offline; a node needs nothing from it, "
+                          "and a hub-sent setting could make it fetch code)")
     run.add_argument("--max-tasks", type=int, default=0, help=argparse.SUPPRESS)
     run.set_defaults(func=_run)
     st = sub.add_parser("status", help="what the running node is doing", description="what the running node is doing")
@@ -42,6 +48,8 @@ def _run(args: argparse.Namespace) -> int:
 
     if args.price < 0:
         raise SystemExit("--price must be >= 0")
+    if args.memory_budget_MiB < 0:
+        raise SystemExit("--memory-budget-MiB must be >= 0")
     token = args.join_token
     if args.join_token_file is not None:
         token = args.join_token_file.read_text().strip()
@@ -56,6 +64,8 @@ def _run(args: argparse.Namespace) -> int:
         join_token=token,
         threads=args.threads,
         max_tasks=args.max_tasks,
+        memory_budget_MiB=args.memory_budget_MiB,
+        model_hub_offline=not args.allow_model_hub,
     )
     return run_node(cfg)
 

@@ -24,6 +24,8 @@ from echo2.fsutil import atomic_write
 from echo2.keyfile import load_or_create_identity
 from echo2.looplag import LoopLag
 from echo2.models import statedict
+from echo2.models.engine_api import is_out_of_memory
+from echo2.models.offline import model_hub_offline
 from echo2.protocol import envelope
 from echo2.protocol.backoff import Backoff
 from echo2.protocol.errors import Echo2Error, TransportError
@@ -53,8 +55,10 @@ from echo2.protocol.wire import (
     WORK_POLL_S,
 )
 
+from .budget import Budget, Footprint, TaskTooLarge, check_model, footprint, memory_budget, plan_task
 from .chunkstore import ChunkStore
 from .delivery import deliver_until
+from .generate import generate_bounded
 from .hardware import probe
 from .relay_runtime import RelayConfig, RelayNode
 from .tasks import TaskRefused, open_task
@@ -82,6 +86,10 @@ class NodeConfig:
     join_token: str = ""
     threads: int = 0
     max_tasks: int = 0  # stop after this many tasks (0 = run until stopped); for tests and demos
+    # what a hub may make this node allocate (0 = most of the RAM / accelerator memory); see budget.py
+    memory_budget_MiB: int = 0
+    # transformers and huggingface_hub never touch the network (False: the operator allows it)
+    model_hub_offline: bool = True
 
 
 @dataclass
@@ -134,6 +142,11 @@ class Node:
         self._pending_reports: list[RelayReport] = []
         self._reported: set[tuple[str, int]] = set()
         self.loop_lag = LoopLag()
+        # memory accounting (A7): the budget, the loaded model's sizes, and the batch size that
+        # last ran out of memory halved (0 = no cap yet); a new model resets it
+        self._mem_budget: Budget | None = None
+        self._footprint: Footprint | None = None
+        self._rows_cap = 0
 
     @property
     def peer_id(self) -> str:
@@ -193,6 +206,7 @@ class Node:
 
     # --- main ------------------------------------------------------------------------------------
     async def run(self) -> int:
+        model_hub_offline(self.cfg.model_hub_offline)  # before the engine can import transformers
         from echo2.models.engine import select_engine
 
         if self.cfg.threads:
@@ -310,6 +324,11 @@ class Node:
             await self._load(HeldVersion(info.manifest, raw), info.seconds)
         except Echo2Error as exc:
             log.warning("version %d could not be loaded: %s", info.version, exc)
+        except Exception as exc:
+            if not is_out_of_memory(exc):
+                raise
+            # the budget check passed but the machine had less to give: keep serving the old version
+            log.error("version %d could not be loaded: out of memory (%s)", info.version, str(exc)[:200])
 
     def _on_same_version(self, version: int) -> None:
         # The hub sent a manifest identical to the version we hold and run (a hub resumed from a
@@ -363,12 +382,14 @@ class Node:
     async def _load(self, held: HeldVersion, receive_s: float) -> None:
         m = held.manifest
         t0 = time.monotonic()
-        sd = await trio.to_thread.run_sync(statedict.assemble, m, held.raw_chunks)
         config_changed = self.held is None or self.held.manifest.model_config != m.model_config
-        if config_changed:
-            await trio.to_thread.run_sync(self._check_fit, m.model_config)
+        # sized before anything of it is allocated: a model over the budget is refused (ModelTooLarge)
+        fp = await trio.to_thread.run_sync(self._check_fit, m.model_config) if config_changed else self._footprint
+        sd = await trio.to_thread.run_sync(statedict.assemble, m, held.raw_chunks)
         async with self._engine_lock:
             await trio.to_thread.run_sync(self._engine.load_version, m.version, m.model_config, dict(m.artifacts), sd)
+            if config_changed:
+                self._footprint, self._rows_cap = fp, 0
             if config_changed:
                 from .measure import measure_throughput
 
@@ -384,14 +405,30 @@ class Node:
         self._write_state()
         self._pending_holds = HoldsVersion(peer_id=self.peer_id, version=m.version, seconds=seconds)
 
-    def _check_fit(self, model_config: str) -> None:
-        from .hardware import fits
+    def _budget(self) -> Budget:
+        if self._mem_budget is None:
+            eng = self._engine
+            on_acc = getattr(eng, "name", "") == "vllm" or str(getattr(eng, "device", "")).startswith("cuda")
+            self._mem_budget = memory_budget(probe(self.cfg.data_dir), configured_MiB=self.cfg.memory_budget_MiB,
+                                             on_accelerator=on_acc)
+        return self._mem_budget
 
-        (self.cfg.data_dir / "model_config.json").write_text(model_config)
-        hw = probe(self.cfg.data_dir)
-        mem = hw.accelerator_memory_bytes or hw.ram_bytes
-        ok, _need, message = fits(model_config, "float32", mem)
-        (log.info if ok else log.error)("%s", message)
+    def _check_fit(self, model_config: str) -> Footprint:
+        """The model's sizes, or ModelTooLarge (or ManifestError for a config a node refuses)."""
+        from echo2.models.spec import hf_config_from_json
+
+        # with the library's defaults filled in: a key left out may default to a large size
+        full = hf_config_from_json(model_config).to_dict()
+        dtype = str(getattr(self._engine, "dtype", "float32")).removeprefix("torch.")
+        fp = footprint(full, dtype)
+        atomic_write(self.cfg.data_dir / "model_config.json", model_config, durable=False)  # for `node doctor`
+        try:
+            check_model(fp, self._budget())
+        except Echo2Error as exc:
+            log.error("refusing the hub's model: %s", exc.message)
+            raise
+        log.info("model fits: %.1f M parameters (%s) in a memory budget of %s", fp.params / 1e6, dtype, self._budget())
+        return fp
 
     # --- control loops ---------------------------------------------------------------------------
     async def _heartbeat(self, host: ControlHost) -> None:
@@ -484,28 +521,39 @@ class Node:
         except Echo2Error as exc:
             log.debug("decline not delivered: %s", exc)
 
+    def _plan(self, task: Task) -> int:
+        """Samples to generate at once for this task; TaskTooLarge when it does not fit at all."""
+        if self._footprint is None:
+            raise TaskTooLarge("no model is loaded")
+        plan = plan_task(
+            self._footprint, self._budget(), prompts=len(task.prompts), group_size=task.group_size,
+            prompt_len=max((len(p) for p in task.prompts), default=0), max_new_tokens=task.max_new_tokens,
+            rows_cap=self._rows_cap,
+        )
+        return plan.batch_rows
+
     async def _run_task(self, host: ControlHost, task: Task) -> None:
         started = time.time()
         self._current_task = task
         async with self._engine_lock:
             version = self._engine.version
             t0 = time.monotonic()
+            declined: tuple[str, str] | None = None
             try:
-                completions = await trio.to_thread.run_sync(
-                    self._engine.generate,
-                    [list(p) for p in task.prompts],
-                    task.group_size,
-                    task.max_new_tokens,
-                    task.temperature,
-                    task.top_p,
-                    task.seed,
-                )
-            except Echo2Error as exc:  # the engine refused the request (limits, vocabulary)
-                self._current_task = None
-                await self._decline(host, task, exc.code, exc.message)
-                return
+                batch_rows = self._plan(task)
+                completions, worked = await trio.to_thread.run_sync(generate_bounded, self._engine, task, batch_rows)
+                if worked < batch_rows:
+                    self._rows_cap = worked  # what ran out of memory once is not tried again
+            except Echo2Error as exc:  # too large for this node, or the engine refused it (limits, vocabulary)
+                declined = (exc.code, exc.message)
+            except Exception as exc:  # whatever a task makes the engine do, the node stays up
+                log.exception("task %s failed in the engine", task.task_id)
+                declined = ("engine_error", f"{type(exc).__name__}: {str(exc)[:300]}")
             gen_s = time.monotonic() - t0
         self._current_task = None
+        if declined is not None:
+            await self._decline(host, task, *declined)
+            return
         tokens = sum(len(c.token_ids) for c in completions)
         if version != self._measured_version and gen_s > 0:
             self._measured_version = version

@@ -24,8 +24,37 @@ BYTE_VOCAB_SIZE = len(SPECIAL_TOKENS) + 256
 MAX_ARTIFACT_BYTES = 8 * 1024 * 1024
 MAX_ARTIFACTS = 16
 # Config keys that describe a saved checkpoint rather than the architecture; they trip some
-# transformers versions, so they are dropped before a config is used.
+# transformers versions, so the hub drops them from a local model's config before publishing it.
 CHECKPOINT_ONLY_KEYS = ("transformers_version", "torch_dtype", "dtype", "_name_or_path", "quantization_config")
+# The harmless part of those: a received config may carry them, and they are dropped on parsing.
+# (quantization_config is not among them: a node refuses it, since it selects loader code.)
+METADATA_KEYS = frozenset({"transformers_version", "torch_dtype", "dtype", "_name_or_path"})
+# The only keys a received config may have (A8): the architecture of the supported model types,
+# nothing that selects code. Left out on purpose: attn_implementation and every other *_implementation
+# (transformers resolves a hub repo name there through its kernels loader, which fetches code),
+# auto_map (remote code), quantization_config, return_dict / output_* (change what forward
+# returns), add_cross_attention, and the label/task keys a causal LM does not use.
+ALLOWED_CONFIG_KEYS = frozenset({
+    "model_type", "architectures", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+    "num_attention_heads", "num_key_value_heads", "head_dim", "max_position_embeddings",
+    "original_max_position_embeddings", "rms_norm_eps", "layer_norm_epsilon", "hidden_act", "hidden_activation",
+    "activation_function", "rope_theta", "rope_scaling", "rope_parameters", "partial_rotary_factor",
+    "tie_word_embeddings", "attention_bias", "mlp_bias", "attention_dropout", "initializer_range",
+    "pretraining_tp", "sliding_window", "use_sliding_window", "max_window_layers", "layer_types",
+    "attn_logit_softcapping", "final_logit_softcapping", "query_pre_attn_scalar", "use_bidirectional_attention",
+    "pad_token_id", "bos_token_id", "eos_token_id", "use_cache",
+    # gpt2's names for the same things
+    "n_embd", "n_layer", "n_head", "n_inner", "n_positions", "n_ctx", "attn_pdrop", "embd_pdrop", "resid_pdrop",
+    "scale_attn_weights", "scale_attn_by_inverse_layer_idx", "reorder_and_upcast_attn", "summary_type",
+    "summary_use_proj", "summary_activation", "summary_proj_to_labels", "summary_first_dropout",
+})
+# The model classes of SUPPORTED_MODEL_TYPES: vLLM picks its model class by `architectures`.
+SUPPORTED_ARCHITECTURES = frozenset({
+    "Qwen2ForCausalLM", "Qwen3ForCausalLM", "LlamaForCausalLM", "MistralForCausalLM", "GPT2LMHeadModel",
+    "Phi3ForCausalLM", "GemmaForCausalLM", "Gemma2ForCausalLM",
+})
+#: The attention every model is built with: a kernel shipped inside torch, never one named by a config.
+BUILTIN_ATTENTION = "sdpa"
 # Small text files of an HF model directory worth shipping (weights travel as the state dict).
 LOCAL_ARTIFACT_FILES = (
     "tokenizer.json",
@@ -96,4 +125,20 @@ def parse_model_config(model_config_json: str) -> dict[str, Any]:
     mt = d.get("model_type")
     if mt not in SUPPORTED_MODEL_TYPES:
         raise ManifestError(f"model_config: unsupported model_type {mt!r}")
-    return d
+    unknown = sorted(k for k in d if k not in ALLOWED_CONFIG_KEYS and k not in METADATA_KEYS)
+    if unknown:
+        shown = ", ".join(repr(k[:64]) for k in unknown[:5])
+        raise ManifestError(f"model_config: key {shown} is not allowed (a node accepts only architecture keys)")
+    arch = d.get("architectures")
+    if arch is not None and (
+        not isinstance(arch, list) or not arch or any(a not in SUPPORTED_ARCHITECTURES for a in arch)
+    ):
+        raise ManifestError(f"model_config: unsupported architectures {str(arch)[:120]}")
+    return {k: v for k, v in d.items() if k not in METADATA_KEYS}
+
+
+def allowed_part(config: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
+    """(the config without keys a node would refuse, the keys dropped): what a hub publishes of a
+    local model's config.json, whose extra keys (e.g. SmolLM2's is_llama_config) change nothing."""
+    kept = {k: v for k, v in config.items() if k in ALLOWED_CONFIG_KEYS}
+    return kept, sorted(k for k in config if k not in ALLOWED_CONFIG_KEYS)

@@ -12,7 +12,14 @@ from typing import Any
 import pytest
 import trio
 
-from echo2.learner_hub.status_http import Metric, StatusServer, hub_metrics, render_html, render_metrics
+from echo2.learner_hub.status_http import (
+    Metric,
+    StatusServer,
+    host_name,
+    hub_metrics,
+    render_html,
+    render_metrics,
+)
 
 STATUS: dict[str, Any] = {
     "peer_id": "12D3KooWhub",
@@ -95,7 +102,7 @@ def test_real_server_routes_and_garbage() -> None:
 
             # hostile or wrong requests: each gets its answer and the server stays up
             assert status_code(await raw_request(port, b"POST / HTTP/1.1\r\nHost: x\r\n\r\n")) == 405
-            post = b"POST /status.json HTTP/1.1\r\nContent-Length: 100000\r\n\r\n" + b"x" * 100000
+            post = b"POST /status.json HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Length: 100000\r\n\r\n" + b"x" * 100000
             assert status_code(await raw_request(port, post)) == 405
             assert status_code(await raw_request(port, b"\x00\xff\xfe garbage\r\n\r\n")) == 400
             assert status_code(await raw_request(port, b"GET /\r\n\r\n")) == 400
@@ -111,7 +118,7 @@ def test_real_server_routes_and_garbage() -> None:
                 assert await silent.receive_some(100) == b""
                 await silent.aclose()
 
-            resp = await raw_request(port, b"GET /status.json HTTP/1.0\r\n\r\n")
+            resp = await raw_request(port, b"GET /status.json HTTP/1.0\r\nHost: localhost\r\n\r\n")
             assert status_code(resp) == 200 and json.loads(body(resp))["peer_id"] == "12D3KooWhub"
             nursery.cancel_scope.cancel()
 
@@ -131,10 +138,10 @@ def test_provider_failure_is_500_and_server_survives() -> None:
         server = StatusServer(flaky, lambda: [])
         async with trio.open_nursery() as nursery:
             port = await nursery.start(server.serve)
-            assert status_code(await raw_request(port, b"GET /status.json HTTP/1.1\r\n\r\n")) == 500
-            resp = await raw_request(port, b"GET /status.json HTTP/1.1\r\n\r\n")
+            assert status_code(await raw_request(port, b"GET /status.json HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")) == 500
+            resp = await raw_request(port, b"GET /status.json HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
             assert status_code(resp) == 200 and json.loads(body(resp)) == {"step": 1}
-            resp = await raw_request(port, b"GET / HTTP/1.1\r\n\r\n")  # an almost empty status still renders
+            resp = await raw_request(port, b"GET / HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")  # an almost empty status still renders
             assert status_code(resp) == 200 and b"no learner steps yet" in body(resp)
             nursery.cancel_scope.cancel()
 
@@ -188,10 +195,10 @@ def test_h11_edges_head_host_and_slow_clients() -> None:
             assert status_code(await raw_request(port, b"GET / HTTP/1.1\r\nHost: a\r\nHost: b\r\n\r\n")) == 400
             # the head limit is exact: a head just under it is served, one just over it is 431
             for size, code in ((8000, 200), (8300, 431), (12000, 431)):
-                head = b"GET / HTTP/1.1\r\nX-A: " + b"a" * (size - 25) + b"\r\n\r\n"
+                head = b"GET / HTTP/1.1\r\nHost: localhost\r\nX-A: " + b"a" * (size - 42) + b"\r\n\r\n"
                 assert status_code(await raw_request(port, head)) == code, size
             assert status_code(await raw_request(port, b"GET /\xff HTTP/1.1\r\n\r\n")) == 400
-            assert status_code(await raw_request(port, b"GET / HTTP/1.1\r\nX: \xff\r\n\r\n")) == 400
+            assert status_code(await raw_request(port, b"GET / HTTP/1.1\r\nHost: localhost\r\nX: \xff\r\n\r\n")) == 400
             assert status_code(await raw_request(port, b"GET / HTTP/1.1\r\nTransfer-Encoding: gzip\r\n\r\n")) >= 400
             # a client dribbling a never-ending head one byte at a time is cut off at the timeout
             with trio.fail_after(4):
@@ -211,3 +218,43 @@ def test_h11_edges_head_host_and_slow_clients() -> None:
             nursery.cancel_scope.cancel()
 
     trio.run(main)
+
+
+def test_a13_host_header_names_this_server_or_is_refused() -> None:
+    """DNS rebinding: a page on evil.example whose name now resolves to 127.0.0.1 makes the
+    browser send ``Host: evil.example``; that, and a request with no Host, are refused."""
+
+    async def main() -> None:
+        server = StatusServer(lambda: STATUS, lambda: hub_metrics(STATUS), timeout_s=1.0, allowed_hosts=("Status.Example",))
+        async with trio.open_nursery() as nursery:
+            port = await nursery.start(server.serve)
+
+            async def code(host: bytes | None, version: bytes = b"1.1") -> int:
+                head = b"GET /status.json HTTP/" + version + b"\r\n" + (b"Host: " + host + b"\r\n" if host is not None else b"")
+                return status_code(await raw_request(port, head + b"\r\n"))
+
+            p = str(port).encode()
+            for refused in (b"evil.example", b"evil.example:" + p, b"127.0.0.1.evil.example", b"localhost.evil:" + p,
+                            b"[::2]:" + p, b"10.0.0.1"):
+                assert await code(refused) == 421, refused
+                assert await code(refused, b"1.0") == 421, refused
+            assert await code(None) == 400 and await code(None, b"1.0") == 400  # no Host is not "localhost"
+            for ok in (b"127.0.0.1:" + p, b"127.0.0.1", b"localhost:" + p, b"LOCALHOST.", b"[::1]:" + p,
+                       b"status.example:9000", b"127.0.0.1:1234"):  # any port: SSH tunnels renumber it
+                assert await code(ok) == 200, ok
+            # a real client names the server it dialled
+            status, _, _ = await trio.to_thread.run_sync(fetch, f"http://127.0.0.1:{port}/status.json")
+            assert status == 200
+            nursery.cancel_scope.cancel()
+
+    trio.run(main)
+
+
+def test_a13_host_name_parsing() -> None:
+    assert host_name(b"LocalHost:80") == "localhost"
+    assert host_name(b"[::1]:8080") == "::1" and host_name(b"[::1]") == "::1"
+    assert host_name(b"a.example.") == "a.example"
+    for bad in (b"", b":80", b"a:b", b"[::1", b"[::1]x", b"\xff"):
+        assert host_name(bad) is None, bad
+    assert StatusServer(dict, list, host="0.0.0.0").allowed_hosts == {"localhost", "127.0.0.1", "::1"}
+    assert "10.1.2.3" in StatusServer(dict, list, host="10.1.2.3").allowed_hosts

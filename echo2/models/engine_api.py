@@ -64,3 +64,14 @@ def validate_request(
             raise EngineError(f"prompt {i} is empty")
         if min(p) < 0 or max(p) >= vocab_size:
             raise EngineError(f"prompt {i} has a token id outside the vocabulary (size {vocab_size})")
+
+
+def is_out_of_memory(exc: BaseException) -> bool:
+    """Whether an engine failure means "too much at once" (a smaller batch may work): Python's
+    MemoryError, torch's OutOfMemoryError (CUDA), and the CPU allocator's RuntimeError."""
+    if isinstance(exc, (MemoryError, torch.OutOfMemoryError)):
+        return True
+    if isinstance(exc, RuntimeError):
+        text = str(exc)[:2000].lower()
+        return "not enough memory" in text or "out of memory" in text or "failed to allocate" in text
+    return False

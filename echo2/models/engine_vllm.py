@@ -140,6 +140,7 @@ class VLLMEngine:
             skip_tokenizer_init=True,
             logprobs_mode="processed_logprobs",
             seed=0,
+            trust_remote_code=False,  # the config came from the network (A8)
         )
         self.model_config_json = model_config_json
 

@@ -24,6 +24,7 @@ from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 from echo2.protocol.errors import ManifestError
 from echo2.protocol.modelspec import (
     BOS_TOKEN,
+    BUILTIN_ATTENTION,
     BYTE_VOCAB_SIZE,
     CHECKPOINT_ONLY_KEYS,
     EOS_TOKEN,
@@ -33,6 +34,7 @@ from echo2.protocol.modelspec import (
     PAD_TOKEN,
     SPECIAL_TOKENS,
     SUPPORTED_MODEL_TYPES,
+    allowed_part,
     artifacts_for,
     config_json,
     parse_model_config,
@@ -96,7 +98,10 @@ def tokenizer_json() -> bytes:
 
 
 def hf_config_from_json(model_config_json: str) -> Any:
-    """A transformers PretrainedConfig from config JSON text (no network, no remote code)."""
+    """A transformers PretrainedConfig from config JSON text (no network, no remote code).
+
+    Only allow-listed keys pass (``parse_model_config``), and the attention is forced to the
+    built-in one: a config never chooses code (A8)."""
     from transformers import AutoConfig
 
     d = dict(parse_model_config(model_config_json))
@@ -104,9 +109,11 @@ def hf_config_from_json(model_config_json: str) -> Any:
     for k in CHECKPOINT_ONLY_KEYS:
         d.pop(k, None)
     try:
-        return AutoConfig.for_model(model_type, **d)
-    except (ValueError, TypeError, KeyError) as e:
-        raise ManifestError(f"model_config rejected by transformers: {e}") from e
+        cfg = AutoConfig.for_model(model_type, **d)
+    except Exception as e:  # a hostile config may trip transformers anywhere: it is refused, never a crash
+        raise ManifestError(f"model_config rejected by transformers: {type(e).__name__}: {str(e)[:200]}") from e
+    cfg._attn_implementation = BUILTIN_ATTENTION
+    return cfg
 
 
 def model_from_config(model_config_json: str, dtype: torch.dtype = torch.float32) -> Model:
@@ -114,7 +121,14 @@ def model_from_config(model_config_json: str, dtype: torch.dtype = torch.float32
     from transformers import AutoModelForCausalLM
 
     cfg = hf_config_from_json(model_config_json)
-    model = AutoModelForCausalLM.from_config(cfg, dtype=dtype)
+    try:
+        model = AutoModelForCausalLM.from_config(
+            cfg, dtype=dtype, attn_implementation=BUILTIN_ATTENTION, trust_remote_code=False
+        )
+    except (MemoryError, torch.OutOfMemoryError):
+        raise
+    except Exception as e:  # e.g. zero heads, an unknown activation or rope type
+        raise ManifestError(f"model_config does not build a model: {type(e).__name__}: {str(e)[:200]}") from e
     model.eval()
     return model
 
@@ -234,9 +248,14 @@ def load_local_model(
         raise ManifestError(f"{p} has no tokenizer.json")
     for k in CHECKPOINT_ONLY_KEYS:
         cfg.pop(k, None)
+    cfg, dropped = allowed_part(cfg)
+    if dropped:
+        log.info("%s: config keys %s are not published (nodes accept architecture keys only)", p, dropped)
     model_config = config_json(cfg)
     parse_model_config(model_config)
-    model = AutoModelForCausalLM.from_pretrained(p, dtype=dtype, local_files_only=True)
+    model = AutoModelForCausalLM.from_pretrained(
+        p, dtype=dtype, local_files_only=True, attn_implementation=BUILTIN_ATTENTION, trust_remote_code=False
+    )
     model.eval()
     return model, model_config, artifacts
 
