@@ -84,6 +84,8 @@ class Link:
     upload_Bps: float = 0.0  # hub-measured; 0: not yet
     upload_bytes: int = 0  # size of the transfer it was measured on
     measured_at: float = 0.0
+    wanted: str = ""  # "ip:port" the planner would use, to be proven by the hub's dial-back
+    tried_at: float = -math.inf  # when the hub last dialled ``wanted`` (its own clock)
 
 
 @dataclass(frozen=True)
@@ -148,6 +150,19 @@ class LinkBook:
             link.upload_Bps, link.upload_bytes = nbytes / seconds, nbytes
             link.measured_at = time.time() if now is None else now
 
+    def unproven(self, now: float, retry_s: float, limit: int) -> list[tuple[str, str]]:
+        """Up to ``limit`` ``(peer, "ip:port")`` the planner asked about that no dial-back has
+        proven, each at most once per ``retry_s`` (so a NAT-bound node costs one dial per
+        ``retry_s``); they are marked tried."""
+        out: list[tuple[str, str]] = []
+        for peer, link in self._links.items():
+            if len(out) >= limit:
+                break
+            if link.wanted and link.wanted != link.verified and now - link.tried_at >= retry_s:
+                link.tried_at = now
+                out.append((peer, link.wanted))
+        return out
+
     def forget(self, peer: str) -> None:
         if self._links.pop(peer, None) is not None:
             self._generation += 1
@@ -179,6 +194,9 @@ class LinkBook:
         scope = ip_scope(ip) if ip else None
         addr = join_addr(ip, port) if port is not None and scope is not None else ""
         link = self._links.get(peer)
+        if addr and (link is None or link.verified != addr):
+            link = self._link(peer)
+            link.wanted = addr  # the hub's verifier dials it back (probe_service.verify_loop)
         measured = link is not None and link.upload_Bps > 0
         up = link.upload_Bps if link is not None and measured else UNMEASURED_UPLOAD_Bps
         if cap_Bps > 0:

@@ -265,6 +265,38 @@ class ProbeService:
                 data_port = parse_addr(data_target)[1]
         return ok, "; ".join(notes), data_port
 
+    async def verify_loop(
+        self,
+        *,
+        interval_s: float = 1.0,
+        retry_s: float = 30.0,
+        per_round: int = 16,
+        task_status: Any = trio.TASK_STATUS_IGNORED,
+    ) -> None:
+        """Dial back, from the hub, the data plane of every admitted node the planner asked
+        about and nobody proved yet (``LinkBook.unproven``): a node becomes a possible parent
+        without having to probe (after a hub restart, say), and only where the hub itself
+        reached it at its observed IP and the handshake proved its key."""
+        prober = Identity.generate()
+        task_status.started()
+        if self.links is None:
+            return
+        while True:
+            await trio.sleep(interval_s)
+            todo = self.links.unproven(trio.current_time(), retry_s, per_round)
+            async with trio.open_nursery() as nursery:
+                for peer, addr in todo:
+                    if self.admitted is None or self.admitted(peer):
+                        nursery.start_soon(self._verify_one, peer, addr, prober)
+
+    async def _verify_one(self, peer: str, addr: str, prober: Identity) -> None:
+        async with self._limit:
+            ok, note = await self._dial_data(addr, peer, prober)
+        if ok and self.links is not None:
+            host, port = parse_addr(addr)
+            self.links.verified(peer, host, port)
+        log.info("dial-back of %s: %s", peer, note)
+
     async def _dial_data(self, addr: str, peer: str, prober: Identity) -> tuple[bool, str]:
         try:
             conn = await dataplane.connect(addr, prober, peer, timeout_s=self.dial_timeout_s)

@@ -72,6 +72,7 @@ async def serve(hub: Hub) -> int:
             probe = ProbeService(hub.identity, control_host=host, probe_data_addr=f"{cfg.listen_host}:{probe_srv.port}",
                                  links=links, admitted=admitted)
             host.set_handler(PROBE, probe.handle_control, max_request=MAX_PROBE_REQUEST)
+            await nursery.start(probe.verify_loop)
             hub.addrs = list(host.addrs)
             atomic_write(hub.dir / "hub.addrs", "\n".join(hub.addrs) + "\n", durable=False)
             print("echo2 hub listening:\n" + "".join(f"  {a}\n" for a in hub.addrs) + f"  data plane {hub.data_addr}", flush=True)

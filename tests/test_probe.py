@@ -7,6 +7,7 @@ import json
 import os
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
+from functools import partial
 from pathlib import Path
 
 import pytest
@@ -347,6 +348,43 @@ def test_a10_dial_back_proves_the_observed_data_address_and_the_hub_times_the_up
                 # the node's own cap can only lower what the hub measured
                 assert links.view(node_id.peer_id, ann.data_addr, 2e6, [node_id.peer_id]).upload_Bps == 2e6
                 nursery.cancel_scope.cancel()
+
+    run(main)
+
+
+def test_a10_the_hub_dials_back_what_the_planner_asked_about() -> None:
+    """A10 without the node's help: the address the planner wanted (observed IP, announced port)
+    is dialled by the hub's verifier; it becomes a parent's address only where the handshake
+    proved the node's key, is retried at most once per ``retry_s``, and never for a stranger."""
+    from echo2.learner_hub.links import LinkBook
+
+    hub_id, node_id, impostor, stranger = (Identity.generate() for _ in range(4))
+    links = LinkBook()
+    admitted = {node_id.peer_id, impostor.peer_id}
+
+    async def main() -> None:
+        svc = hubprobe.ProbeService(hub_id, links=links, admitted=admitted.__contains__, dial_timeout_s=2.0)
+        async with trio.open_nursery() as nursery:
+            real = DataPlaneServer(node_id, lambda conn: trio.sleep(0), allow=lambda p: False)
+            fake = DataPlaneServer(stranger, lambda conn: trio.sleep(0))
+            await nursery.start(real.serve)
+            await nursery.start(fake.serve)
+            cases = ((node_id, real.port), (impostor, fake.port), (stranger, real.port))
+            for who, port in cases:
+                links.observed(who.peer_id, "127.0.0.1")
+                v = links.view(who.peer_id, f"0.0.0.0:{port}", 0.0, [who.peer_id])
+                assert v.data_addr == f"127.0.0.1:{port}" and not v.reachable
+            await nursery.start(partial(svc.verify_loop, interval_s=0.05, retry_s=60.0))
+            with trio.fail_after(10):
+                while not links.view(node_id.peer_id, f"0.0.0.0:{real.port}", 0.0, [node_id.peer_id]).reachable:
+                    await trio.sleep(0.05)
+            await trio.sleep(0.3)
+            # the impostor's port holds another key: tried once, not proven, not retried yet
+            assert not links.view(impostor.peer_id, f"0.0.0.0:{fake.port}", 0.0, [impostor.peer_id]).reachable
+            assert links.unproven(trio.current_time(), 60.0, 16) == []
+            # a peer that is not admitted is never dialled, so never proven
+            assert not links.view(stranger.peer_id, f"0.0.0.0:{real.port}", 0.0, [stranger.peer_id]).reachable
+            nursery.cancel_scope.cancel()
 
     run(main)
 
