@@ -19,12 +19,13 @@ from echo2.protocol.messages import Announce, RelayReport
 
 from .activation import NodeOffer, reselect
 from .admission import AdmissionPolicy, Decision
-from .broadcast import UNLIMITED_BPS, PeerInfo
+from .broadcast import PeerInfo
 from .capacity import CapacityReport, NodeCapacity, capacity_report
 from .claims import ClaimLimits, PriceBook, claim_problem, overclaims
 from .config import HubConfig
 from .dispatch import Dispatcher
 from .ledger import MICRO, Ledger, to_micro
+from .links import LinkBook
 from .publisher import PolicyPublisher
 from .reputation import Event, ReputationBook, ReputationConfig
 from .store import HubStore
@@ -100,6 +101,7 @@ class Fleet:
         self.prices = PriceBook(self.claims)
         self._overclaim_punished: dict[str, float] = {}  # peer -> the claimed figure it was punished for
         self._ledger_saved = 0.0
+        self.links = LinkBook()  # what the hub observed of each node's links (A10)
 
     # --- admission -------------------------------------------------------------------------------
     async def admit(self, peer: str, join_token: str, announce: Announce, now: float) -> tuple[bool, str]:
@@ -180,13 +182,18 @@ class Fleet:
         self.log_if_changed()
 
     def peer_info(self, peer: str) -> PeerInfo | None:
-        """Planning input from the node's signed Announce (its hello is only a fallback)."""
+        """Planning input, from what the hub observed (A10, see ``links``): the IP the node's
+        control connection comes from with the announced port (or the hello's: the node's word
+        either way, and only the port is used), reachable only once a dial-back proved the node
+        there, the upload the hub measured. Never None, so no caller falls back to a claim."""
         node = self.nodes.get(peer)
-        if node is None or not node.announce.data_addr:
-            return None
+        if node is None:
+            return PeerInfo("", 0.0, False)  # not admitted (or gone): a leaf nobody dials
         a = node.announce
-        up = (a.max_upload_MBps or a.upload_MBps) * 1e6
-        return PeerInfo(a.data_addr, up or UNLIMITED_BPS, a.reachable)
+        hello = getattr(self.sender, "hello", {}).get(peer)
+        data_addr = a.data_addr or (hello.data_addr if hello is not None else "")
+        v = self.links.view(peer, data_addr, a.max_upload_MBps * 1e6, self.nodes)
+        return PeerInfo(v.data_addr, v.upload_Bps, v.reachable)
 
     def drop_silent(self, now: float, silence_s: float) -> list[str]:
         """Nodes not heard from for ``silence_s``: forgotten (the caller reassigns their tasks)."""

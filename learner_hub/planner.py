@@ -17,7 +17,9 @@ under the shallowest interior node of that stripe with spare capacity, else unde
 
 from __future__ import annotations
 
+import dataclasses
 import logging
+import math
 from collections import deque
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
@@ -29,11 +31,15 @@ DEFAULT_STRIPES = 2
 MAX_FANOUT = 16
 # A node uploading less than this fraction of the stream rate would throttle everything below it.
 SLOW_FRACTION = 0.5
+# Far above any link; an upload beyond it (or not finite) is a bug or a lie, never a bigger share.
+MAX_UPLOAD_Bps = 1e12
 
 
 @dataclass(frozen=True)
 class NodeInfo:
-    """What the planner needs to know about an active node."""
+    """What the planner needs to know about an active node. The hub fills it from what it
+    observed (``links``: a dial-back proved ``reachable``, it timed ``upload_Bps``), never from
+    the node's announce; only reachable nodes are ever parents."""
 
     node_id: str
     upload_Bps: float
@@ -126,8 +132,8 @@ def plan_broadcast(
     fan-out (for comparisons: ``stripes=1, fanout=1`` is a chain, ``stripes=1, fanout=f`` a plain
     tree); by default a node's fan-out is ``stripes · upload / stream_rate``.
     """
-    if hub_upload_Bps <= 0:
-        raise ValueError("hub upload bandwidth must be positive")
+    if not (math.isfinite(hub_upload_Bps) and hub_upload_Bps > 0):
+        raise ValueError("hub upload bandwidth must be positive and finite")
     seen: set[str] = set()
     for n in nodes:
         if n.node_id in seen or n.node_id == hub:
@@ -135,6 +141,7 @@ def plan_broadcast(
         seen.add(n.node_id)
     if not nodes:
         return Plan(version, hub, 1, [{}], [{hub: []}])
+    nodes = [_sane(n) for n in nodes]
     s_req = DEFAULT_STRIPES if stripes is None else stripes
     if s_req < 1:
         raise ValueError("stripes must be >= 1")
@@ -214,6 +221,14 @@ def plan_broadcast(
     )
     log.debug("plan v%d: %d nodes, %d stripes, depth %d", version, total, n_stripes, plan.max_depth())
     return plan
+
+
+def _sane(n: NodeInfo) -> NodeInfo:
+    up = n.upload_Bps
+    if not (math.isfinite(up) and up > 0):
+        up = 0.0
+    up = min(up, MAX_UPLOAD_Bps)
+    return n if up == n.upload_Bps else dataclasses.replace(n, upload_Bps=up)
 
 
 def check_plan(plan: Plan) -> None:

@@ -27,7 +27,7 @@ from echo2.protocol.wire import (
 )
 
 from .broadcast import PipelinedSender
-from .probe_service import MAX_PROBE_REQUEST, PROBE, ProbeService, handle_probe_connection
+from .probe_service import MAX_PROBE_REQUEST, PROBE, BandwidthResponder, ProbeService, observed_ip
 from .status_http import StatusServer, hub_metrics
 
 if TYPE_CHECKING:
@@ -61,13 +61,19 @@ async def serve(hub: Hub) -> int:
             hub.data_addr = f"{cfg.listen_host}:{server.port}"
             if isinstance(hub.sender, PipelinedSender):
                 hub.sender.data_addr = hub.data_addr
-            # A separate data plane for `echo2 node doctor` bandwidth probes: it runs before
-            # admission, and the policy downlink starts sending at once, so they cannot share.
-            hub.probe_server = probe_srv = DataPlaneServer(hub.identity, handle_probe_connection, host=cfg.listen_host,
-                                                            port=0, max_connections=16)
+            # A separate data plane for bandwidth probes (admitted nodes only): the policy downlink
+            # starts sending at once, so they cannot share. What it and the dial-back observe is
+            # what the planner uses (A10), never the node's claims.
+            links, admitted = hub.fleet.links, (lambda pid: pid in hub.nodes and pid not in hub.fleet.banned)
+            links.observer = lambda pid: observed_ip(host, pid)
+            responder = BandwidthResponder(admitted, links=links)
+            hub.probe_server = probe_srv = DataPlaneServer(hub.identity, responder.handle, allow=responder.allow, host=cfg.listen_host,
+                                                            port=0, max_connections=16, max_connections_per_peer=2)
             await nursery.start(probe_srv.serve)
-            probe = ProbeService(hub.identity, control_host=host, probe_data_addr=f"{cfg.listen_host}:{probe_srv.port}")
+            probe = ProbeService(hub.identity, control_host=host, probe_data_addr=f"{cfg.listen_host}:{probe_srv.port}",
+                                 links=links, admitted=admitted)
             host.set_handler(PROBE, probe.handle_control, max_request=MAX_PROBE_REQUEST)
+            await nursery.start(probe.verify_loop)
             hub.addrs = list(host.addrs)
             atomic_write(hub.dir / "hub.addrs", "\n".join(hub.addrs) + "\n", durable=False)
             print("echo2 hub listening:\n" + "".join(f"  {a}\n" for a in hub.addrs) + f"  data plane {hub.data_addr}", flush=True)

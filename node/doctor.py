@@ -181,7 +181,7 @@ async def network_checks(
     from echo2.protocol.messages import Announce
     from echo2.protocol.net.control import ControlHost
 
-    from .measure import measure_bandwidth, probe_hub
+    from .measure import BandwidthNotOffered, measure_bandwidth, probe_hub
 
     names = ("hub reachable", "listen port reachable", "clock skew", "bandwidth")
     checks: list[Check] = []
@@ -257,6 +257,8 @@ async def network_checks(
                     checks.append(
                         Check("bandwidth", PASS, f"upload {bw.upload_MBps:.1f} MB/s, download {bw.download_MBps:.1f} MB/s to the hub")
                     )
+                except BandwidthNotOffered as exc:
+                    checks.append(Check("bandwidth", INFO, f"{exc} (run the doctor again once admitted)"))
                 except (Echo2Error, trio.TooSlowError) as exc:
                     checks.append(
                         Check(

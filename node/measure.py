@@ -5,7 +5,10 @@ Throughput is measured locally (blocking, run it through ``trio.to_thread.run_sy
 still times every node itself (BRIEF §6: measured, not claimed). Bandwidth and reachability
 need the hub's probe responder (``echo2.learner_hub.probe_service``, protocol ``/echo2/probe/1.0.0``
 and a data-plane bandwidth responder); the wire forms are repeated here because ``node`` and
-``learner_hub`` never import each other.
+``learner_hub`` never import each other. The bandwidth responder authenticates us by the
+data-plane handshake (our node key) and serves admitted nodes only, within a byte budget per
+node: a node measures once admitted, and what the hub timed there (not what we announce) is the
+upload its broadcast planner uses.
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ import trio
 
 from echo2.protocol import canonical, envelope
 from echo2.protocol.dataframe import FrameType, parse_error
-from echo2.protocol.errors import DecodeError, Echo2Error, MeaningError, SchemaError, Timeout
+from echo2.protocol.errors import DecodeError, Echo2Error, HandshakeError, MeaningError, SchemaError, Timeout
 from echo2.protocol.identity import Identity
 from echo2.protocol.messages import (
     Announce,
@@ -198,6 +201,18 @@ async def _rtt(host: Any, peer: str, timeout_s: float) -> float:
 # --- bandwidth -----------------------------------------------------------------------------------
 
 
+class BandwidthNotOffered(MeaningError):
+    """The hub measures bandwidth for admitted nodes only (or this node's budget is spent)."""
+
+    code = "not_admitted"
+
+
+def _refused(code: str, message: str) -> MeaningError:
+    if code in ("not_admitted", "rate_limited"):
+        return BandwidthNotOffered(f"hub refused the bandwidth probe: [{code}] {message}")
+    return MeaningError(f"hub refused the bandwidth probe: [{code}] {message}")
+
+
 @dataclass(frozen=True)
 class Bandwidth:
     upload_MBps: float  # 1 MB = 10**6 bytes, as the data plane's rate limits
@@ -214,8 +229,7 @@ class Bandwidth:
 async def _expect_request(conn: DataConnection, prefix: bytes, timeout_s: float) -> bytes:
     frame = await conn.receive(timeout_s=timeout_s)
     if frame.type is FrameType.ERROR:
-        code, message = parse_error(frame.payload)
-        raise MeaningError(f"hub refused the bandwidth probe: [{code}] {message}")
+        raise _refused(*parse_error(frame.payload))
     if frame.type is not FrameType.REQUEST or not bytes(frame.payload).startswith(prefix):
         raise DecodeError(f"unexpected {frame.type.name} frame in the bandwidth probe")
     return bytes(frame.payload)
@@ -228,8 +242,7 @@ async def _download(conn: DataConnection, n: int, timeout_s: float) -> float:
     while got < n:
         frame = await conn.receive(timeout_s=timeout_s)
         if frame.type is FrameType.ERROR:
-            code, message = parse_error(frame.payload)
-            raise MeaningError(f"hub refused the bandwidth probe: [{code}] {message}")
+            raise _refused(*parse_error(frame.payload))
         if frame.type is not FrameType.CHUNK:
             raise DecodeError(f"unexpected {frame.type.name} frame while downloading")
         got += len(frame.payload)
@@ -262,7 +275,12 @@ async def measure_bandwidth(
     measure the round trip).
     """
     t_start = time.perf_counter()
-    conn = await dataplane.connect(addr, identity, hub_peer, timeout_s=timeout_s)
+    try:
+        conn = await dataplane.connect(addr, identity, hub_peer, timeout_s=timeout_s)
+    except HandshakeError as exc:
+        if getattr(exc, "reason", "") == "not_allowed":
+            raise BandwidthNotOffered("the hub measures bandwidth for admitted nodes only") from exc
+        raise
     async with conn:
         rates: dict[str, float] = {}
         moved = {"up": 0, "down": 0}
@@ -295,7 +313,7 @@ async def measure_all(
     timeout_s: float = 20.0,
     bandwidth: bool = True,
 ) -> tuple[ProbeResult, Bandwidth | None]:
-    """Probe then (when the hub runs a bandwidth responder) measure bandwidth."""
+    """Probe then (when the hub runs a bandwidth responder and serves us) measure bandwidth."""
     result = await probe_hub(host, hub, hub_peer, identity, announce, timeout_s=timeout_s)
     bw = None
     if bandwidth and result.probe_data_addr:
@@ -304,4 +322,6 @@ async def measure_all(
                 bw = await measure_bandwidth(result.probe_data_addr, identity, hub_peer, timeout_s=timeout_s)
         except trio.TooSlowError as exc:
             raise Timeout(f"bandwidth probe took longer than {timeout_s * 4:g} s") from exc
+        except BandwidthNotOffered as exc:
+            log.info("bandwidth not measured: %s", exc)
     return result, bw

@@ -224,6 +224,9 @@ class Node:
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(self.loop_lag.run)
                 await nursery.start(self._policy_downlink)
+                # after admission (the hub measures admitted nodes only) and with the data plane up,
+                # so the hub's dial-back can prove it: what the broadcast planner trusts (A10, A12)
+                nursery.start_soon(self._measure_links, host)
                 nursery.start_soon(self._heartbeat, host)
                 nursery.start_soon(self._worker, host, nursery.cancel_scope)
                 nursery.start_soon(self._watch_signals)
@@ -268,13 +271,9 @@ class Node:
 
     async def _admit(self, host: ControlHost) -> AdmissionDecision | None:
         backoff = Backoff(base_s=0.5, cap_s=HUB_BACKOFF_CAP_S)
-        measured = False
         while True:
             try:
                 await host.connect(self.cfg.hub)
-                if not measured:
-                    measured = True
-                    await self._measure_links(host)
                 req = AdmissionRequest(peer_id=self.peer_id, join_token=self.cfg.join_token, announce=self._announce(host))
                 resp = await host.request(
                     self.hub_peer, ADMISSION, envelope.seal(self.identity, req), max_response=MAX_CONTROL_REQUEST, timeout_s=30

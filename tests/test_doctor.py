@@ -47,7 +47,8 @@ def test_all_checks_pass_against_a_real_hub(tmp_path: Path) -> None:
 
     async def main() -> None:
         async with ControlHost(hub_id, dial_timeout_s=3) as hub, trio.open_nursery() as nursery:
-            server = DataPlaneServer(hub_id, hubprobe.handle_probe_connection, max_connections=8)
+            responder = hubprobe.BandwidthResponder(lambda _pid: True)  # as if admitted
+            server = DataPlaneServer(hub_id, responder.handle, allow=responder.allow, max_connections=8)
             await nursery.start(server.serve)
             svc = hubprobe.ProbeService(hub_id, control_host=hub, probe_data_addr=server.addr)
             hub.set_handler(hubprobe.PROBE, svc.handle_control, max_request=hubprobe.MAX_PROBE_REQUEST)

@@ -125,8 +125,10 @@ def test_forged_and_replayed_results_are_refused(tmp_path: Path) -> None:
 @pytest.mark.timeout(240)
 def test_corrupt_relay_is_reported_and_banned(tmp_path: Path) -> None:
     # Pipelined broadcast with a hub uplink slow enough that nodes relay, small chunks so a
-    # version has many, and a relay that flips a byte of every chunk it forwards and claims the
-    # fastest uplink (so the planner gives it children). Its children find the chunks off the
+    # version has many, and a relay that flips a byte of every chunk it forwards and has the
+    # fastest uplink as the hub measures it (its claimed 10 GB/s counts for nothing since A10:
+    # the honest nodes cap theirs at 20 MB/s, so the planner gives it children once the hub has
+    # dialled it back and timed it). Its children find the chunks off the
     # signed manifest, take them from elsewhere and report it; two reporters ban it. It joins
     # once the three honest nodes hold a version, so that its first plan gives it several
     # children (with a single child, the one report only demotes it to a leaf, by design).
@@ -135,7 +137,7 @@ def test_corrupt_relay_is_reported_and_banned(tmp_path: Path) -> None:
     with LocalSwarm(tmp_path, cfg, n_nodes=3) as swarm:
         swarm.start_hub()
         for i in range(3):
-            swarm.start_node(i)
+            swarm.start_node(i, ["--max-upload-MBps", "20"])
 
         def honest_ready() -> bool:
             st = swarm.status() or {}

@@ -166,3 +166,21 @@ def test_replan_everyone_leaves() -> None:
     back = replan(new, joined=homogeneous(3))
     check_plan(back)
     assert sorted(back.children[0][HUB]) == ["n0", "n1", "n2"]
+
+
+def test_a10_absurd_uploads_neither_crash_the_planner_nor_buy_a_bigger_share() -> None:
+    """An upload that is not finite, negative or astronomical (a bug or a lie that slipped past
+    the hub's own measurement) is planned as no upload or as the cap: never a crash, never more
+    than ``MAX_FANOUT`` children."""
+    nodes = homogeneous(6) + [
+        NodeInfo("inf", math.inf), NodeInfo("nan", math.nan), NodeInfo("neg", -5.0), NodeInfo("huge", 1e308),
+    ]
+    plan = plan_broadcast(1, 10 * MBPS, nodes, 64)
+    check_plan(plan)
+    fanout_ok(plan)
+    for bad in ("inf", "nan", "neg"):
+        assert bad not in plan.interior
+    assert plan.capacity.get("huge", 0) <= 16
+    for hub_up in (math.inf, math.nan, 0.0):
+        with pytest.raises(ValueError):
+            plan_broadcast(1, hub_up, nodes, 64)

@@ -7,6 +7,7 @@ import json
 import os
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
+from functools import partial
 from pathlib import Path
 
 import pytest
@@ -100,11 +101,30 @@ def test_dial_back_targets_use_observed_ip_and_refuse_other_peers() -> None:
     ]
     got = hubprobe.dial_back_targets(addrs, PEER, "203.0.113.7")
     assert got == [f"/ip4/203.0.113.7/tcp/4001/p2p/{PEER}", f"/ip4/203.0.113.7/tcp/4003/p2p/{PEER}"]
-    assert hubprobe.dial_back_targets(addrs, PEER, None) == [f"/ip4/10.0.0.5/tcp/4001/p2p/{PEER}"]
     assert hubprobe.data_dial_target("10.0.0.5:7000", "203.0.113.7") == "203.0.113.7:7000"
-    assert hubprobe.data_dial_target("0.0.0.0:7000", None) is None
-    assert hubprobe.data_dial_target("host.example:7000", None) is None
+    assert hubprobe.data_dial_target("0.0.0.0:7000", "203.0.113.7") == "203.0.113.7:7000"
+    assert hubprobe.data_dial_target("host.example:7000", "203.0.113.7") == "203.0.113.7:7000"
     assert hubprobe.data_dial_target("", "1.2.3.4") is None
+
+
+def test_a13_probe_dials_only_the_observed_ip() -> None:
+    """A13 (probe fallback): without the IP the request came from, the hub dialled the announced
+    hosts, i.e. any third party a prober named. Now it dials nothing but the observed IP."""
+    addrs = [f"/ip4/198.51.100.9/tcp/4001/p2p/{PEER}", "/ip4/10.0.0.5/tcp/4002"]
+    assert hubprobe.dial_back_targets(addrs, PEER, None) == []
+    assert hubprobe.data_dial_target("198.51.100.9:7000", None) is None
+    # an observed address that is no unicast host is not dialled either
+    for bad in ("0.0.0.0", "224.0.0.1", "255.255.255.255", "::"):
+        assert hubprobe.dial_back_targets(addrs, PEER, bad) == []
+        assert hubprobe.data_dial_target("198.51.100.9:7000", bad) is None
+
+    async def main() -> None:
+        svc = hubprobe.ProbeService(Identity.generate(), control_host=None)
+        ann = announce_for(Identity.from_seed(b"\x01" * 32), addrs, "198.51.100.9:7000")
+        ok, reason, port = await svc._dial_back(PEER, ann, None)
+        assert not ok and port is None and "dials nothing" in reason
+
+    run(main)
 
 
 def test_parse_bandwidth_request() -> None:
@@ -129,7 +149,8 @@ def test_reply_schemas_agree() -> None:
 @asynccontextmanager
 async def hub_with_probe(identity: Identity, **kw: object) -> AsyncIterator[tuple[ControlHost, hubprobe.ProbeService]]:
     async with ControlHost(identity, gossip=False, dial_timeout_s=3) as host, trio.open_nursery() as nursery:
-        server = DataPlaneServer(identity, hubprobe.handle_probe_connection, max_connections=8)
+        responder = hubprobe.BandwidthResponder(lambda _pid: True, links=kw.get("links"))  # type: ignore[arg-type]
+        server = DataPlaneServer(identity, responder.handle, allow=responder.allow, max_connections=8)
         await nursery.start(server.serve)
         svc = hubprobe.ProbeService(identity, control_host=host, probe_data_addr=server.addr, **kw)  # type: ignore[arg-type]
         host.set_handler(hubprobe.PROBE, svc.handle_control, max_request=hubprobe.MAX_PROBE_REQUEST)
@@ -233,7 +254,7 @@ def test_bandwidth_responder_refuses_bad_requests() -> None:
         from echo2.protocol.net import dataplane
 
         async with trio.open_nursery() as nursery:
-            server = DataPlaneServer(hub_id, hubprobe.handle_probe_connection)
+            server = DataPlaneServer(hub_id, hubprobe.BandwidthResponder(lambda _pid: True).handle)
             await nursery.start(server.serve)
             conn = await dataplane.connect(server.addr, node_id, hub_id.peer_id, timeout_s=5)
             async with conn:
@@ -241,6 +262,128 @@ def test_bandwidth_responder_refuses_bad_requests() -> None:
                 frame = await conn.receive(timeout_s=5)
                 assert frame.type is FrameType.ERROR
                 assert parse_error(frame.payload)[0] == "bad_request"
+            nursery.cancel_scope.cancel()
+
+    run(main)
+
+
+def test_a12_bandwidth_probe_serves_admitted_peers_only_within_a_budget() -> None:
+    """A12: the bandwidth responder served anyone (a free traffic source and sink). A stranger is
+    now refused in the handshake, before a byte moves; an admitted peer gets a byte budget per
+    window, spent across its connections; another peer's budget is its own."""
+    hub_id, member, other, stranger = (Identity.generate() for _ in range(4))
+    admitted = {member.peer_id, other.peer_id}
+    MiB = 1024 * 1024
+
+    async def main() -> None:
+        from echo2.protocol.dataframe import FrameType, parse_error
+        from echo2.protocol.errors import HandshakeError
+        from echo2.protocol.net import dataplane
+
+        responder = hubprobe.BandwidthResponder(admitted.__contains__, budget_bytes=3 * MiB, window_s=600.0)
+        async with trio.open_nursery() as nursery:
+            server = DataPlaneServer(hub_id, responder.handle, allow=responder.allow)
+            await nursery.start(server.serve)
+            with pytest.raises(HandshakeError) as ei:
+                await dataplane.connect(server.addr, stranger, hub_id.peer_id, timeout_s=5)
+            assert getattr(ei.value, "reason", "") == "not_allowed"
+            with pytest.raises(measure.BandwidthNotOffered):
+                await measure.measure_bandwidth(server.addr, stranger, hub_id.peer_id, timeout_s=5)
+            assert responder.refusals["not_admitted"] == 2 and responder.bytes_moved == 0
+
+            async def ask(who: Identity, n: int) -> str:
+                conn = await dataplane.connect(server.addr, who, hub_id.peer_id, timeout_s=5)
+                async with conn:
+                    await conn.send_request(f"bw-down {n}".encode())
+                    while True:
+                        frame = await conn.receive(timeout_s=5)
+                        if frame.type is FrameType.ERROR:
+                            return parse_error(frame.payload)[0]
+                        if frame.type is FrameType.REQUEST:
+                            return bytes(frame.payload).decode()
+
+            assert await ask(member, 2 * MiB) == f"bw-down-done {2 * MiB}"
+            # the budget is the peer's, not the connection's: a fresh connection does not reset it
+            assert await ask(member, 2 * MiB) == "rate_limited"
+            assert await ask(member, MiB) == f"bw-down-done {MiB}"
+            assert await ask(member, MiB // 2) == "rate_limited"
+            assert await ask(other, 2 * MiB) == f"bw-down-done {2 * MiB}"
+            assert responder.bytes_moved == 5 * MiB and responder.refusals["rate_limited"] == 2
+            nursery.cancel_scope.cancel()
+
+    run(main)
+
+
+def test_a10_dial_back_proves_the_observed_data_address_and_the_hub_times_the_upload() -> None:
+    """A10: the planner's address, reachability and upload come from the hub's own dial-back
+    (at the IP the request came from, the data-plane handshake proving the node's key) and its
+    own timing of the node's upload, never from the announce (here 0.0.0.0 and no upload)."""
+    from echo2.learner_hub.links import LinkBook
+
+    hub_id, node_id, impostor = Identity.generate(), Identity.generate(), Identity.generate()
+    links = LinkBook()
+
+    async def main() -> None:
+        async with hub_with_probe(hub_id, links=links, admitted=lambda _pid: True) as (hub, _svc):
+            async with ControlHost(node_id, gossip=False, dial_timeout_s=3) as node, trio.open_nursery() as nursery:
+                await node.connect(hub.addrs[0])
+                # first the port holds someone else's data plane: nothing is verified
+                fake = DataPlaneServer(impostor, lambda conn: trio.sleep(0))
+                await nursery.start(fake.serve)
+                ann = announce_for(node_id, node.addrs, f"0.0.0.0:{fake.port}")
+                res = await measure.probe_hub(node, hub_id.peer_id, hub_id.peer_id, node_id, ann, timeout_s=10)
+                assert not res.reachable
+                v = links.view(node_id.peer_id, ann.data_addr, 0.0, [node_id.peer_id])
+                assert v.data_addr == f"127.0.0.1:{fake.port}" and not v.reachable and not v.measured
+                # then its own data plane: proven at the observed IP, and its upload timed
+                real = DataPlaneServer(node_id, lambda conn: trio.sleep(0), allow=lambda p: False)
+                await nursery.start(real.serve)
+                await trio.sleep(2.1)  # the probe service's per-peer interval
+                ann = announce_for(node_id, node.addrs, f"0.0.0.0:{real.port}")
+                res, bw = await measure.measure_all(node, hub_id.peer_id, hub_id.peer_id, node_id, ann, timeout_s=10)
+                assert res.reachable, res.reason
+                v = links.view(node_id.peer_id, ann.data_addr, 0.0, [node_id.peer_id])
+                assert v.data_addr == f"127.0.0.1:{real.port}" and v.reachable and v.measured
+                assert bw is not None and v.upload_Bps > 1e6
+                # the node's own cap can only lower what the hub measured
+                assert links.view(node_id.peer_id, ann.data_addr, 2e6, [node_id.peer_id]).upload_Bps == 2e6
+                nursery.cancel_scope.cancel()
+
+    run(main)
+
+
+def test_a10_the_hub_dials_back_what_the_planner_asked_about() -> None:
+    """A10 without the node's help: the address the planner wanted (observed IP, announced port)
+    is dialled by the hub's verifier; it becomes a parent's address only where the handshake
+    proved the node's key, is retried at most once per ``retry_s``, and never for a stranger."""
+    from echo2.learner_hub.links import LinkBook
+
+    hub_id, node_id, impostor, stranger = (Identity.generate() for _ in range(4))
+    links = LinkBook()
+    admitted = {node_id.peer_id, impostor.peer_id}
+
+    async def main() -> None:
+        svc = hubprobe.ProbeService(hub_id, links=links, admitted=admitted.__contains__, dial_timeout_s=2.0)
+        async with trio.open_nursery() as nursery:
+            real = DataPlaneServer(node_id, lambda conn: trio.sleep(0), allow=lambda p: False)
+            fake = DataPlaneServer(stranger, lambda conn: trio.sleep(0))
+            await nursery.start(real.serve)
+            await nursery.start(fake.serve)
+            cases = ((node_id, real.port), (impostor, fake.port), (stranger, real.port))
+            for who, port in cases:
+                links.observed(who.peer_id, "127.0.0.1")
+                v = links.view(who.peer_id, f"0.0.0.0:{port}", 0.0, [who.peer_id])
+                assert v.data_addr == f"127.0.0.1:{port}" and not v.reachable
+            await nursery.start(partial(svc.verify_loop, interval_s=0.05, retry_s=60.0))
+            with trio.fail_after(10):
+                while not links.view(node_id.peer_id, f"0.0.0.0:{real.port}", 0.0, [node_id.peer_id]).reachable:
+                    await trio.sleep(0.05)
+            await trio.sleep(0.3)
+            # the impostor's port holds another key: tried once, not proven, not retried yet
+            assert not links.view(impostor.peer_id, f"0.0.0.0:{fake.port}", 0.0, [impostor.peer_id]).reachable
+            assert links.unproven(trio.current_time(), 60.0, 16) == []
+            # a peer that is not admitted is never dialled, so never proven
+            assert not links.view(stranger.peer_id, f"0.0.0.0:{real.port}", 0.0, [stranger.peer_id]).reachable
             nursery.cancel_scope.cancel()
 
     run(main)
