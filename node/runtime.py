@@ -224,9 +224,7 @@ class Node:
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(self.loop_lag.run)
                 await nursery.start(self._policy_downlink)
-                # after admission (the hub measures admitted nodes only) and with the data plane up,
-                # so the hub's dial-back can prove it: what the broadcast planner trusts (A10, A12)
-                nursery.start_soon(self._measure_links, host)
+                nursery.start_soon(self._measure_after_admissions, host)
                 nursery.start_soon(self._heartbeat, host)
                 nursery.start_soon(self._worker, host, nursery.cancel_scope)
                 nursery.start_soon(self._watch_signals)
@@ -268,6 +266,15 @@ class Node:
             self.measured["upload_MBps"], self.measured["download_MBps"] = bw.upload_MBps, bw.download_MBps
         log.info("hub link: reachable=%s rtt %.1f ms, up %.1f MB/s, down %.1f MB/s", res.reachable, res.rtt_s * 1e3,
                  self.measured["upload_MBps"], self.measured["download_MBps"])
+
+    async def _measure_after_admissions(self, host: ControlHost) -> None:
+        # After admission (the hub measures admitted nodes only), with the data plane up (so the
+        # hub's dial-back can prove it), and again after each re-admission (a restarted hub knows
+        # nothing of us): what the hub measures is what its broadcast planner trusts (A10, A12).
+        while True:
+            admitted = self._admitted
+            await self._measure_links(host)
+            await admitted.wait()
 
     async def _admit(self, host: ControlHost) -> AdmissionDecision | None:
         backoff = Backoff(base_s=0.5, cap_s=HUB_BACKOFF_CAP_S)
