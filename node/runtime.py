@@ -388,7 +388,6 @@ class Node:
             await trio.to_thread.run_sync(self._engine.load_version, m.version, m.model_config, dict(m.artifacts), sd)
             if config_changed:
                 self._footprint, self._rows_cap = fp, 0
-            if config_changed:
                 from .measure import measure_throughput
 
                 tp = await trio.to_thread.run_sync(lambda: measure_throughput(self._engine, budget_s=2.0))
