@@ -396,7 +396,6 @@ class Node:
             await trio.to_thread.run_sync(self._engine.load_version, m.version, m.model_config, dict(m.artifacts), sd)
             if config_changed:
                 self._footprint, self._rows_cap = fp, 0
-            if config_changed:
                 from .measure import measure_throughput
 
                 tp = await trio.to_thread.run_sync(lambda: measure_throughput(self._engine, budget_s=2.0))
@@ -421,18 +420,19 @@ class Node:
 
     def _check_fit(self, model_config: str) -> Footprint:
         """The model's sizes, or ModelTooLarge (or ManifestError for a config a node refuses)."""
-        from echo2.models.spec import hf_config_from_json
+        from echo2.models.spec import hf_config_from_json, parse_model_config
 
-        # with the library's defaults filled in: a key left out may default to a large size
-        full = hf_config_from_json(model_config).to_dict()
         dtype = str(getattr(self._engine, "dtype", "float32")).removeprefix("torch.")
-        fp = footprint(full, dtype)
-        atomic_write(self.cfg.data_dir / "model_config.json", model_config, durable=False)  # for `node doctor`
         try:
+            # the sizes the config states, before a library builds anything from it; then with the
+            # library's defaults filled in (a key left out may default to a large size)
+            check_model(footprint(parse_model_config(model_config), dtype), self._budget())
+            fp = footprint(hf_config_from_json(model_config).to_dict(), dtype)
             check_model(fp, self._budget())
         except Echo2Error as exc:
             log.error("refusing the hub's model: %s", exc.message)
             raise
+        atomic_write(self.cfg.data_dir / "model_config.json", model_config, durable=False)  # for `node doctor`
         log.info("model fits: %.1f M parameters (%s) in a memory budget of %s", fp.params / 1e6, dtype, self._budget())
         return fp
 

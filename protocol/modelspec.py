@@ -53,6 +53,20 @@ SUPPORTED_ARCHITECTURES = frozenset({
     "Qwen2ForCausalLM", "Qwen3ForCausalLM", "LlamaForCausalLM", "MistralForCausalLM", "GPT2LMHeadModel",
     "Phi3ForCausalLM", "GemmaForCausalLM", "Gemma2ForCausalLM",
 })
+# Bounds on the sizes a config may state (A7), far above any model a node could hold: checked
+# before a model library sees the config, since building even the config object allocates per
+# layer (transformers makes a list of num_hidden_layers layer types). Whether the model fits is
+# the node's own check against its memory budget, afterwards.
+MAX_CONFIG_DIMS: dict[str, int] = {
+    "num_hidden_layers": 512, "n_layer": 512,
+    "num_attention_heads": 1024, "num_key_value_heads": 1024, "n_head": 1024,
+    "hidden_size": 65536, "n_embd": 65536, "head_dim": 4096,
+    "intermediate_size": 1 << 20, "n_inner": 1 << 20,
+    "vocab_size": 1 << 21,
+    "max_position_embeddings": 1 << 22, "original_max_position_embeddings": 1 << 22,
+    "n_positions": 1 << 22, "n_ctx": 1 << 22, "sliding_window": 1 << 22, "max_window_layers": 512,
+}
+MAX_CONFIG_LIST = 512  # layer_types, architectures, eos_token_id lists
 #: The attention every model is built with: a kernel shipped inside torch, never one named by a config.
 BUILTIN_ATTENTION = "sdpa"
 # Small text files of an HF model directory worth shipping (weights travel as the state dict).
@@ -129,6 +143,13 @@ def parse_model_config(model_config_json: str) -> dict[str, Any]:
     if unknown:
         shown = ", ".join(repr(k[:64]) for k in unknown[:5])
         raise ManifestError(f"model_config: key {shown} is not allowed (a node accepts only architecture keys)")
+    for key, cap in MAX_CONFIG_DIMS.items():
+        v = d.get(key)
+        if v is not None and (isinstance(v, bool) or not isinstance(v, int) or not 0 < v <= cap):
+            raise ManifestError(f"model_config: {key} = {str(v)[:40]} is outside 1..{cap}")
+    for key, v in d.items():
+        if isinstance(v, (list, dict)) and len(v) > MAX_CONFIG_LIST:
+            raise ManifestError(f"model_config: {key} has {len(v)} entries (at most {MAX_CONFIG_LIST})")
     arch = d.get("architectures")
     if arch is not None and (
         not isinstance(arch, list) or not arch or any(a not in SUPPORTED_ARCHITECTURES for a in arch)

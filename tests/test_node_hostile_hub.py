@@ -152,6 +152,24 @@ def test_a7_model_over_the_memory_budget_is_refused_before_it_is_built(tmp_path:
     assert node.held is not None and node.held.version == 2 and node._footprint is not None
 
 
+def test_a7_config_sizes_are_bounded_before_a_library_sees_them(tmp_path: Path) -> None:
+    node = make_node(tmp_path, budget_MiB=1 << 20)  # a 1 TiB budget: only the stated sizes stop these
+    base = ms.tiny_config(hidden=32, layers=1, heads=2)
+    for key, value in (("num_hidden_layers", 10**9), ("vocab_size", 1 << 40), ("hidden_size", -1),
+                       ("num_attention_heads", True), ("layer_types", ["full_attention"] * 100_000)):
+        t0 = time.monotonic()
+        with pytest.raises(ManifestError, match=key):
+            node._check_fit(json.dumps({**base, key: value}))
+        assert time.monotonic() - t0 < 5, key  # refused, not built
+    # stated sizes within the bounds but over the budget: refused before transformers builds the config
+    huge = {**base, "hidden_size": 65536, "intermediate_size": 1 << 20, "num_hidden_layers": 512}
+    with pytest.raises(ModelTooLarge, match="budget"):
+        node._check_fit(json.dumps(huge))
+    # sizes a node cannot know without the library's defaults are not guessed
+    with pytest.raises(ModelTooLarge, match="cannot size"):
+        node._check_fit(json.dumps({k: v for k, v in base.items() if k != "vocab_size"}))
+
+
 def test_a7_model_size_counts_the_library_defaults_a_config_leaves_out() -> None:
     # no intermediate_size: transformers' qwen2 default (22016) applies, not a guess from hidden
     conf = {k: v for k, v in ms.tiny_config(hidden=32, layers=1, heads=2).items() if k != "intermediate_size"}
