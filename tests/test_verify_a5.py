@@ -166,9 +166,13 @@ def test_a5_finish_reason_is_derived_from_the_tokens() -> None:
 
     finishes: list[str] = []
 
-    def judge(ids: list[int], claim: str) -> Accept | Punish | object:
+    def reward(_item: Any, _text: str, finish: str) -> float:
+        finishes.append(finish)  # what the environment is told
+        return 1.0 if finish == "stop" else 0.0
+
+    def judge(ids: list[int], claim: str) -> object:
         intake = make_intake()
-        intake.reward = lambda item, text, finish: finishes.append(finish) or (1.0 if finish == "stop" else 0.0)
+        intake.reward = reward
         submit(intake, 2)
         t = issue(intake)[0]
         comps = [Completion(prompt_index=i, token_ids=ids, logprobs=[-0.5] * len(ids), finish_reason=claim)
