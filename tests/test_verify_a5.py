@@ -166,9 +166,13 @@ def test_a5_finish_reason_is_derived_from_the_tokens() -> None:
 
     finishes: list[str] = []
 
-    def judge(ids: list[int], claim: str) -> Accept | Punish | object:
+    def reward(_item: Any, _text: str, finish: str) -> float:
+        finishes.append(finish)  # what the environment is told
+        return 1.0 if finish == "stop" else 0.0
+
+    def judge(ids: list[int], claim: str) -> object:
         intake = make_intake()
-        intake.reward = lambda item, text, finish: finishes.append(finish) or (1.0 if finish == "stop" else 0.0)
+        intake.reward = reward
         submit(intake, 2)
         t = issue(intake)[0]
         comps = [Completion(prompt_index=i, token_ids=ids, logprobs=[-0.5] * len(ids), finish_reason=claim)
@@ -220,3 +224,14 @@ def test_a5_non_finite_logprobs_fail_the_check(tmp_path: Path, bad: float) -> No
     out = trainer.verifier.check(forged)
     trainer.store.close()
     assert out.failed == {LIAR} and out.kept == [] and out.rejected == [0]
+
+
+def test_a5_rows_of_a_version_no_longer_kept_are_dropped_unblamed(tmp_path: Path) -> None:
+    trainer, _learner, _cfg = make_trainer(tmp_path, "bfloat16")
+    groups = rollouts(trainer, HONEST, 2, seed=10)
+    for g in groups[1:]:
+        for s in g.samples:
+            s.version = 7  # never published: nothing to check it against
+    out = trainer.verifier.check(groups)
+    trainer.store.close()
+    assert out.kept == [0] and out.unverifiable == [1] and out.failed == set() and out.rejected == []
