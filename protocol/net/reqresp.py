@@ -111,6 +111,10 @@ async def read_frame(stream: INetStream, *, max_size: int) -> bytes:
 _WRITE_CHUNK = 64 * 1024
 
 
+#: How long a body read that starts behind the minimum rate may still wait for bytes.
+_BEHIND_READ_S = 0.5
+
+
 class StalledWrite(TransportError):
     """A shielded chunk write did not finish within its grace period."""
 
@@ -312,12 +316,15 @@ class RequestResponse:
 
         The body must keep up with ``min_body_rate_Bps`` on average once ``body_grace_s`` has
         passed: a stream that trickles holds its slot no longer than that, whatever it announced.
+        A read that starts already behind (our own loop was busy, not the sender slow) still gets
+        :data:`_BEHIND_READ_S` to pick up what has arrived meanwhile.
         """
         limits = self.limits
         start = trio.current_time()
         buf = bytearray()
         while len(buf) < length:
-            deadline = start + limits.body_grace_s + len(buf) / limits.min_body_rate_Bps
+            due = start + limits.body_grace_s + len(buf) / limits.min_body_rate_Bps
+            deadline = max(due, trio.current_time() + _BEHIND_READ_S)
             chunk = b""
             with trio.move_on_at(deadline) as scope:
                 try:
