@@ -36,6 +36,8 @@ def run(fn: Callable[[], Awaitable[Any]], limit_s: float = 40.0) -> Any:
 
 
 async def echo(_peer: str, data: bytes) -> bytes:
+    # the handler sees the address of the stream it serves (what the hub's admission bucket keys on)
+    assert reqresp.remote_ip() == "127.0.0.1"
     return data
 
 
@@ -73,6 +75,7 @@ def test_a11_connections_capped_per_ip() -> None:
                     assert server.refusals["too_many_connections"] == 3
                     assert len(connected & {a.peer_id for a in attackers}) == 1  # 2 per IP, the honest one included
                     assert sum(server._ip_conns.values()) == 2
+                    assert server.remote_ip(honest.peer_id) == "127.0.0.1" and reqresp.remote_ip() is None
                     # the admitted peer is still served, and may add connections past the cap
                     assert await honest.request(addr, ECHO, b"hi", max_response=64) == b"hi"
                     async with ControlHost(Identity.generate(), gossip=False) as late:
