@@ -20,7 +20,7 @@ from echo2.protocol.identity import Identity
 from echo2.protocol.net.control import ControlHost, RequestLimits
 from echo2.protocol.net.libp2p_host import parse_peer_id
 from echo2.protocol.net.reqresp import read_frame
-from echo2.protocol.peerlimit import ByteBudget
+from echo2.protocol.peerlimit import ByteBudget, Charge
 
 ECHO = "/echo2/test-a1/1.0.0"
 MiB = 1024 * 1024
@@ -50,6 +50,15 @@ def test_a1_byte_budget_per_key_and_total() -> None:
     assert b.take("c", 10) and b.held("a") == 40 and b.total_held == 100
     b.give("a", 1000)  # never below zero, and the key is forgotten
     assert b.held("a") == 0 and b.total_held == 60 and len(b) == 2
+
+
+def test_a1_charge_is_all_or_nothing_across_budgets() -> None:
+    per_peer, per_ip = ByteBudget(per_key=100, total=1000), ByteBudget(per_key=150, total=1000)
+    a, b = Charge([(per_peer, "a"), (per_ip, "ip")]), Charge([(per_peer, "b"), (per_ip, "ip")])
+    assert a.cap == 100 and a.take(90) and b.take(60) is False  # the shared IP budget is short
+    assert per_peer.held("b") == 0 and per_ip.held("ip") == 90  # nothing taken from either
+    a.release()
+    assert b.take(60) and per_peer.total_held == 60 and per_ip.held("ip") == 60
 
 
 def test_a1_announced_lengths_do_not_starve_honest_requests() -> None:
