@@ -71,7 +71,7 @@ HUB_BACKOFF_CAP_S = 5.0
 #: Relay reports waiting for the hub (one per corrupt chunk seen); more are dropped, not queued.
 MAX_PENDING_REPORTS = 64
 #: Error codes after which a report is worth sending again later.
-_TRANSIENT_CODES = frozenset({"rate_limited", "busy", "timeout", "internal", "not_admitted", "too_many_streams"})
+_TRANSIENT_CODES = frozenset({"rate_limited", "busy", "timeout", "internal", "not_admitted", "too_many_streams", "too_slow"})
 
 
 @dataclass

@@ -11,11 +11,11 @@ from __future__ import annotations
 import ipaddress
 import logging
 from collections import Counter, OrderedDict
-from collections.abc import Hashable
+from collections.abc import Hashable, Sequence
 
 from .tokenbucket import TokenBucket
 
-__all__ = ["ByteBudget", "address_key", "ConcurrencyLimiter", "KeyedRateLimiter", "LogThrottle"]
+__all__ = ["ByteBudget", "Charge", "address_key", "ConcurrencyLimiter", "KeyedRateLimiter", "LogThrottle"]
 
 
 def address_key(ip: str) -> str:
@@ -161,6 +161,35 @@ class ByteBudget:
         else:
             self._held.pop(key, None)
         self.total_held -= nbytes
+
+
+class Charge:
+    """The bytes one piece of work (a request body, a frame) holds in several budgets at once,
+    taken as they arrive, all or none, and given back together by :meth:`release`."""
+
+    def __init__(self, accounts: Sequence[tuple[ByteBudget, Hashable]]) -> None:
+        self.accounts = list(accounts)
+        self.held = 0
+
+    @property
+    def cap(self) -> int:
+        """The most this charge could ever hold (the smallest per-key cap among its budgets)."""
+        return min((budget.per_key for budget, _key in self.accounts), default=0)
+
+    def take(self, nbytes: int) -> bool:
+        if not all(budget.can_take(key, nbytes) for budget, key in self.accounts):
+            for budget, _key in self.accounts:
+                budget.refused += 1
+            return False
+        for budget, key in self.accounts:
+            budget.take(key, nbytes)
+        self.held += nbytes
+        return True
+
+    def release(self) -> None:
+        for budget, key in self.accounts:
+            budget.give(key, self.held)
+        self.held = 0
 
 
 class LogThrottle:

@@ -151,7 +151,7 @@ def test_control_concurrent_streams_and_inflight_bytes_capped() -> None:
             codes = [r.code for r in results if isinstance(r, RemoteError)]
             assert codes == ["too_many_streams"]
             assert sorted(r for r in results if isinstance(r, bytes)) == [b"a" * 10, b"b" * 10]
-            # a body above the in-flight budget is refused from its header
+            # a body above the in-flight budget is refused once its bytes pass it (charged as they arrive)
             with pytest.raises(RemoteError) as err:
                 await client.request(addr, ECHO, b"z" * 2000, max_response=4096)
             assert err.value.code == "busy"

@@ -7,6 +7,12 @@ as it arrives, so a peer cannot make us reserve memory it does not send. A CHUNK
 not hash to its key raises ``ChunkMismatch``. A connection that ends (EOF) without BYE, or in the
 middle of a frame, is a dead peer: ``TransportError``, never a clean end.
 
+Memory budgets: a server hands each connection the budgets its peer's frames are charged to
+(``rx_accounts``: per peer, per server). Each piece of a body buffer is charged before it is
+allocated and the charge is given back when the frame is handed on, so what one peer pins with
+half-sent frames over all its connections is bounded by its own budget (``frame.over_budget``
+drops the connection), never by what it announces.
+
 Rate limits: sends can be throttled by a per-connection and a per-process
 :class:`~echo2.protocol.net.ratelimit.UploadLimiter` (MB/s, 1 MB = 10**6 bytes), applied in
 64 KiB slices so the rate is smooth.
@@ -38,6 +44,7 @@ from ..dataframe import (
 )
 from ..errors import ChunkMismatch, DecodeError, Echo2Error, Timeout, TooLarge, TransportError
 from ..hashing import Hasher, new_hasher
+from ..peerlimit import ByteBudget, Charge
 from .ratelimit import DEFAULT_SLICE_BYTES, UploadLimiter, acquire_all
 from .rxthread import (
     THREAD_MIN_BYTES,
@@ -136,8 +143,11 @@ class DataConnection:
         limiters: tuple[UploadLimiter | None, ...] = (),
         max_sizes: Mapping[FrameType, int] | None = None,
         server_stats: DataPlaneStats | None = None,
+        rx_accounts: list[tuple[ByteBudget, str]] | None = None,
     ) -> None:
         self._stream = stream
+        self._rx_accounts = rx_accounts or []
+        self._rx_charge: Charge | None = None  # what the frame being received holds
         self._sock = stream.socket
         self.peer_id = peer_id
         self.peer_public_key = peer_public_key
@@ -320,6 +330,12 @@ class DataConnection:
                 raise TooLarge(
                     f"{ftype.name} frame of {length} bytes from {self.peer_id} exceeds the limit {limit}"
                 ) from None
+            if self._rx_accounts:
+                self._rx_charge = Charge(self._rx_accounts)
+                if length > self._rx_charge.cap:
+                    self._refuse_desync("frame.over_budget")
+                    raise TooLarge(f"{ftype.name} frame of {length} bytes from {self.peer_id} exceeds its "
+                                   f"budget of {self._rx_charge.cap}") from None
             if ftype is FrameType.CHUNK:
                 body, digest = await self._recv_body_hashed(length)
             else:
@@ -332,6 +348,9 @@ class DataConnection:
             raise
         finally:
             self._rx_partial = False
+            if self._rx_charge is not None:
+                self._rx_charge.release()
+                self._rx_charge = None
         if ftype is FrameType.CHUNK and digest != key:
             self.refusals["chunk_mismatch"] += 1
             count_refusal("chunk_mismatch", self._server_stats)
@@ -377,18 +396,25 @@ class DataConnection:
             self._account_received(n)
         return got
 
+    def _alloc(self, n: int) -> bytearray:
+        """A body buffer of ``n`` bytes, charged to the peer's budgets first."""
+        if self._rx_charge is not None and not self._rx_charge.take(n):
+            self._refuse_desync("frame.over_budget")
+            raise TooLarge(f"frames from {self.peer_id} hold more than their budget; dropping the connection")
+        return _new_buffer(n)
+
     async def _recv_body(
         self, length: int, on_piece: Callable[[memoryview], object] | None = None
     ) -> bytearray:
         if length <= _ALLOC_STEP:
-            buf = _new_buffer(length)
+            buf = self._alloc(length)
             if length:
                 await self._recv_into(memoryview(buf), on_piece=on_piece)
             return buf
         pieces = []
         remaining = length
         while remaining:
-            piece = _new_buffer(min(remaining, _ALLOC_STEP))
+            piece = self._alloc(min(remaining, _ALLOC_STEP))
             await self._recv_into(memoryview(piece), on_piece=on_piece)
             pieces.append(piece)
             remaining -= len(piece)
@@ -405,7 +431,7 @@ class DataConnection:
             pieces = []
             remaining = length
             while remaining:
-                piece = _new_buffer(min(remaining, _ALLOC_STEP))
+                piece = self._alloc(min(remaining, _ALLOC_STEP))
                 view = memoryview(piece)
                 if not await self._recv_in_thread(view, hasher):
                     await self._recv_into(view, on_piece=hasher.update)

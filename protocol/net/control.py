@@ -110,9 +110,10 @@ class RequestLimits:
     max_streams_per_peer: int = 32
     max_inflight_bytes: int = 512 * 1024 * 1024
     max_inflight_per_peer: int = 96 * 1024 * 1024
-    stranger_inflight_per_peer: int = 4 * 1024 * 1024 + 64 * 1024
-    stranger_inflight_per_ip: int = 16 * 1024 * 1024
-    stranger_inflight_bytes: int = 64 * 1024 * 1024
+    # A stranger asks for admission (an AdmissionRequest is at most 72 KiB) or a probe (64 KiB).
+    stranger_inflight_per_peer: int = 256 * 1024
+    stranger_inflight_per_ip: int = 2 * 1024 * 1024
+    stranger_inflight_bytes: int = 32 * 1024 * 1024
     max_stranger_streams_per_ip: int = 64
     min_body_rate_Bps: float = 32 * 1024
     body_grace_s: float = 5.0

@@ -21,8 +21,11 @@ accounting, allow-lists and the choice of who to serve.
 Hostile peers (:class:`DataPlaneServer`): a global cap on connections, a cap per remote IP
 (``too_many_connections.ip``, checked before the handshake, so it costs no signature), a
 token bucket of handshake attempts per IP (``handshake.rate_limited``), and a cap per
-authenticated peer ID (refused in the handshake verdict, ``too_many_connections.peer``).
-Refusal log lines are thinned under a flood; every refusal is counted.
+authenticated peer ID (refused in the handshake verdict, ``too_many_connections.peer``), and
+memory budgets for frames being received: per peer ID over all its connections, per remote IP
+(fresh identities are free) and over the server (``frame.over_budget`` drops the connection).
+Nothing but the handshake is read from a peer that has not authenticated. Refusal log lines are
+thinned under a flood; every refusal is counted.
 """
 
 from __future__ import annotations
@@ -49,7 +52,7 @@ from ..handshake import (
     transcript,
 )
 from ..identity import Identity, peer_id_from_public_key, verify_signature
-from ..peerlimit import ConcurrencyLimiter, KeyedRateLimiter, LogThrottle
+from ..peerlimit import ByteBudget, ConcurrencyLimiter, KeyedRateLimiter, LogThrottle, address_key
 from .connection import STATS, DataConnection, DataPlaneStats, count_refusal
 from .ratelimit import UploadLimiter
 
@@ -202,7 +205,10 @@ class DataPlaneServer:
     remote address (default: a quarter of ``max_connections``, so no single address can take the
     whole server, while a loopback bench whose nodes all share 127.0.0.1 still fits when it
     sizes ``max_connections`` for them); ``max_connections_per_peer`` per authenticated peer ID;
-    ``handshakes_per_ip_per_s`` / ``handshake_burst`` attempts per address (None: unlimited).
+    ``handshakes_per_ip_per_s`` / ``handshake_burst`` attempts per address (None: unlimited);
+    ``max_buffered_per_peer`` bytes of half-received frames per peer ID over all its
+    connections (enough for one largest frame), ``max_buffered_per_ip`` per address,
+    ``max_buffered_total`` over the server.
     """
 
     def __init__(
@@ -222,6 +228,9 @@ class DataPlaneServer:
         max_connections_per_peer: int = 8,
         handshakes_per_ip_per_s: float | None = 20.0,
         handshake_burst: float = 40.0,
+        max_buffered_per_peer: int = 80 * 1024 * 1024,
+        max_buffered_per_ip: int = 256 * 1024 * 1024,
+        max_buffered_total: int = 512 * 1024 * 1024,
     ) -> None:
         self.identity = identity
         self.handler = handler
@@ -244,7 +253,14 @@ class DataPlaneServer:
             if handshakes_per_ip_per_s
             else None
         )
+        self.rx_peer = ByteBudget(max_buffered_per_peer, max_buffered_total)
+        self.rx_ip = ByteBudget(max_buffered_per_ip, max_buffered_total)
         self._log = LogThrottle(log)
+
+    @property
+    def buffered_bytes(self) -> int:
+        """Bytes of frames being received right now, over every connection."""
+        return self.rx_peer.total_held
 
     @property
     def addr(self) -> str:
@@ -350,6 +366,7 @@ class DataPlaneServer:
             limiters=(own, self.upload_limiter),
             max_sizes=self.max_sizes,
             server_stats=self.stats,
+            rx_accounts=[(self.rx_peer, peer_id), (self.rx_ip, address_key(remote))],
         )
         try:
             await self.handler(conn)

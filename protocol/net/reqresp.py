@@ -27,7 +27,7 @@ import collections
 import contextvars
 import logging
 import secrets
-from collections.abc import Awaitable, Callable, Hashable
+from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING
 
 import trio
@@ -47,7 +47,7 @@ from ..framing import (
     encode_frame,
     encode_ok,
 )
-from ..peerlimit import ByteBudget, ConcurrencyLimiter, KeyedRateLimiter, LogThrottle, address_key
+from ..peerlimit import ByteBudget, Charge, ConcurrencyLimiter, KeyedRateLimiter, LogThrottle, address_key
 from .libp2p_host import parse_peer_addr, parse_peer_id, peer_str, remote_ip_of
 
 if TYPE_CHECKING:
@@ -71,29 +71,6 @@ def remote_ip() -> str | None:
     (peer, data) signature.
     """
     return _REMOTE_IP.get()
-
-
-class _Charge:
-    """The bytes one request body holds in a set of budgets, taken as they arrive, all or none."""
-
-    def __init__(self, accounts: list[tuple[ByteBudget, Hashable]]) -> None:
-        self.accounts = accounts
-        self.held = 0
-
-    def take(self, nbytes: int) -> bool:
-        if not all(budget.can_take(key, nbytes) for budget, key in self.accounts):
-            for budget, _key in self.accounts:
-                budget.refused += 1
-            return False
-        for budget, key in self.accounts:
-            budget.take(key, nbytes)
-        self.held += nbytes
-        return True
-
-    def release(self) -> None:
-        for budget, key in self.accounts:
-            budget.give(key, self.held)
-        self.held = 0
 
 
 class _Refused(Echo2Error):
@@ -132,6 +109,10 @@ async def read_frame(stream: INetStream, *, max_size: int) -> bytes:
 # A chunk that cannot be written within the grace period means the connection is stuck; it is
 # then cut mid-frame anyway and reported, and the caller drops that connection.
 _WRITE_CHUNK = 64 * 1024
+
+
+#: How long a body read that starts behind the minimum rate may still wait for bytes.
+_BEHIND_READ_S = 0.5
 
 
 class StalledWrite(TransportError):
@@ -252,11 +233,11 @@ class RequestResponse:
             logger.exception("trust predicate failed for %s; treating it as a stranger", peer)
             return False
 
-    def _charge_for(self, peer: str, ip: str | None, trusted: bool) -> _Charge:
+    def _charge_for(self, peer: str, ip: str | None, trusted: bool) -> Charge:
         if trusted:
-            return _Charge([(self._trusted_bytes, peer)])
+            return Charge([(self._trusted_bytes, peer)])
         # An address we cannot read is one more shared "unknown" address, never a free pass.
-        return _Charge([(self._stranger_peer_bytes, peer), (self._stranger_ip_bytes, address_key(ip or "?"))])
+        return Charge([(self._stranger_peer_bytes, peer), (self._stranger_ip_bytes, address_key(ip or "?"))])
 
     def _admit_stream(self, peer: str, protocol_id: str, ip_key: str | None) -> bytes | None:
         """An error reply if ``peer`` may not open this stream now; None (stream counted) if it may.
@@ -330,17 +311,20 @@ class RequestResponse:
                 if ip_key is not None:
                     self._stranger_streams.release(ip_key)
 
-    async def _read_body(self, stream: INetStream, length: int, charge: _Charge) -> bytes:
+    async def _read_body(self, stream: INetStream, length: int, charge: Charge) -> bytes:
         """The request body, each chunk charged as it arrives, at no less than the minimum rate.
 
         The body must keep up with ``min_body_rate_Bps`` on average once ``body_grace_s`` has
         passed: a stream that trickles holds its slot no longer than that, whatever it announced.
+        A read that starts already behind (our own loop was busy, not the sender slow) still gets
+        :data:`_BEHIND_READ_S` to pick up what has arrived meanwhile.
         """
         limits = self.limits
         start = trio.current_time()
         buf = bytearray()
         while len(buf) < length:
-            deadline = start + limits.body_grace_s + len(buf) / limits.min_body_rate_Bps
+            due = start + limits.body_grace_s + len(buf) / limits.min_body_rate_Bps
+            deadline = max(due, trio.current_time() + _BEHIND_READ_S)
             chunk = b""
             with trio.move_on_at(deadline) as scope:
                 try:
@@ -369,7 +353,7 @@ class RequestResponse:
         protocol_id: str,
         handler: Handler,
         max_request: int,
-        charge: _Charge,
+        charge: Charge,
     ) -> bytes | None:
         """The response body for one request, or None when the stream is beyond replying to."""
         try:
@@ -381,7 +365,7 @@ class RequestResponse:
         except Echo2Error as exc:
             self._refuse(exc.code, peer, protocol_id, exc.message)
             return None
-        cap = min(budget.per_key for budget, _key in charge.accounts)
+        cap = charge.cap
         if length > cap:
             # Could never fit this peer's budget, whatever else is in flight: not worth a retry.
             msg = f"request of {length} bytes exceeds this peer's budget of {cap}"
