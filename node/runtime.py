@@ -13,8 +13,6 @@ import logging
 import os
 import signal
 import time
-from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import trio
@@ -57,6 +55,7 @@ from echo2.protocol.wire import (
 
 from .budget import Budget, Footprint, TaskTooLarge, check_model, footprint, memory_budget, plan_task
 from .chunkstore import ChunkStore
+from .config import NodeConfig, NodeStats, hub_peer_id
 from .delivery import deliver_until
 from .generate import generate_bounded
 from .hardware import probe
@@ -72,43 +71,6 @@ HUB_BACKOFF_CAP_S = 5.0
 MAX_PENDING_REPORTS = 64
 #: Error codes after which a report is worth sending again later.
 _TRANSIENT_CODES = frozenset({"rate_limited", "busy", "timeout", "internal", "not_admitted", "too_many_streams", "too_slow"})
-
-
-@dataclass
-class NodeConfig:
-    hub: str
-    data_dir: Path
-    engine: str = "auto"
-    price_usd_per_hour: float = 0.0
-    max_upload_MBps: float = 0.0
-    listen_host: str = "127.0.0.1"
-    listen_port: int = 0
-    join_token: str = ""
-    threads: int = 0
-    max_tasks: int = 0  # stop after this many tasks (0 = run until stopped); for tests and demos
-    # what a hub may make this node allocate (0 = most of the RAM / accelerator memory); see budget.py
-    memory_budget_MiB: int = 0
-    # transformers and huggingface_hub never touch the network (False: the operator allows it)
-    model_hub_offline: bool = True
-
-
-@dataclass
-class NodeStats:
-    tasks_done: int = 0
-    tasks_declined: int = 0
-    tasks_refused: int = 0
-    results_refused: int = 0
-    tokens: int = 0
-    versions_loaded: list[int] = field(default_factory=list)
-    admitted: bool = False
-    admission_reason: str = ""
-
-
-def hub_peer_id(multiaddr: str) -> str:
-    parts = multiaddr.rstrip("/").split("/")
-    if "p2p" not in parts or parts.index("p2p") + 1 >= len(parts):
-        raise ValueError(f"hub address must end with /p2p/<peer ID>: {multiaddr}")
-    return parts[parts.index("p2p") + 1]
 
 
 class Node:
