@@ -100,10 +100,13 @@ class PeerReplay:
     new one takes the place of the one idle longest. If that one still had live envelopes they
     become replayable, which matters little: ``max_peers`` is sized above the fleet, so only a
     flood of admitted identities gets there, and the hub's handlers accept an envelope only on a
-    stream from the peer that signed it. Memory: at most ``max_peers * per_peer`` entries.
+    stream from the peer that signed it. Memory: at most ``max_peers * per_peer`` entries, about
+    200 bytes each (the defaults: 1M entries, ~200 MiB, the bound of the single guard this replaces).
+    A nonce lives as long as its envelope (60 s for most node messages, 300 s for a Result), so a
+    node reaches ``per_peer`` only by sending several messages a second for minutes.
     """
 
-    def __init__(self, window_s: float = 600.0, per_peer: int = 4096, max_peers: int = 1024) -> None:
+    def __init__(self, window_s: float = 600.0, per_peer: int = 2048, max_peers: int = 512) -> None:
         if per_peer < 1 or max_peers < 1:
             raise ValueError("per_peer and max_peers must be >= 1")
         self._window_s = float(window_s)

@@ -486,3 +486,30 @@ def test_a2_nothing_but_the_signature_before_the_signature(monkeypatch: pytest.M
     guard.check_and_add(OTHER.peer_id, NONCE, NOW + 60, NOW)
     with pytest.raises(Replay):
         open_envelope(frame, messages.Result, now=NOW, replay=guard)
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(msg=any_message)
+def test_fixed_layout_reader_agrees_with_the_general_reader(msg: messages.Message) -> None:
+    # The copy-free reader of seal()'s layout must accept exactly what the general reader accepts
+    # there, with the same fields: bin8/16/32 payloads, fixstr/str8/str16 domains.
+    for payload_len, domain in ((0, msg.DOMAIN), (300, "d" * 40), (70_000, "é" * 128)):
+        data = canonical.encode({**body_of(msg), "p": b"\x01" * payload_len, "d": domain})
+        mv = memoryview(data)
+        assert envelope._read_fixed(mv) == envelope._read_any(mv)
+    data = seal(NODE, msg, now=NOW)
+    assert envelope._read_fixed(memoryview(data)) == envelope._read_any(memoryview(data))
+
+
+def test_fixed_layout_reader_never_accepts_what_the_general_reader_refuses() -> None:
+    data = seal(NODE, ErrorReply("e", "m" * 40), now=NOW, nonce=NONCE)
+    for pos in range(len(data)):
+        for mask in (0x01, 0x10, 0x80, 0xFF):
+            bad = bytearray(data)
+            bad[pos] ^= mask
+            mv = memoryview(bytes(bad))
+            fixed = envelope._read_fixed(mv)
+            if fixed is not None:
+                assert fixed == envelope._read_any(mv)
+    for cut in range(len(data)):
+        assert envelope._read_fixed(memoryview(data[:cut])) is None
