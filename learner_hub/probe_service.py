@@ -180,7 +180,7 @@ class ProbeService:
         self.dial_timeout_s = dial_timeout_s
         self.min_interval_s = min_interval_s
         self.max_tracked_peers = max_tracked_peers
-        self.replay = envelope.ReplayGuard(window_s=2 * PROBE_TTL_S, max_entries=100_000)
+        self.replay = envelope.ReplayGuard(window_s=2 * PROBE_TTL_S, max_entries=100_000, evict=True)  # strangers: a flood evicts, never refuses all (A3)
         self._last: OrderedDict[str, float] = OrderedDict()
         self._limit = trio.Semaphore(max_concurrent)
         self.probes = 0
