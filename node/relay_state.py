@@ -93,6 +93,7 @@ class Broadcast:
     t0: float
     encoded: dict[int, bytes] = field(default_factory=dict)
     need_full: set[int] = field(default_factory=set)
+    full_queued: set[int] = field(default_factory=set)  # full encodings waiting to be decoded
     full_asked_at: float = -math.inf
     done: bool = False
     have_sent: int = -1

@@ -13,9 +13,16 @@ import pytest
 import trio
 from test_relay_runtime import Swarm, _state
 
-from echo2.node.relay_state import RelayConfig, budget_refusal, is_news
-from echo2.protocol import envelope
-from echo2.protocol.messages import Manifest, ManifestChunk, TensorEntry
+from echo2.node.relay_guard import PeerGate
+from echo2.node.relay_state import RelayConfig, budget_refusal, is_news, star_view
+from echo2.protocol import envelope, packing
+from echo2.protocol.dataframe import FrameType
+from echo2.protocol.errors import Echo2Error
+from echo2.protocol.identity import Identity
+from echo2.protocol.messages import ChunkHave, ChunkRequest, Manifest, ManifestChunk, TensorEntry
+from echo2.protocol.net.dataplane import connect
+from echo2.protocol.relay import Relay
+from echo2.protocol.wire import REQ_GET, encode_request
 
 MiB = 1024 * 1024
 
@@ -104,3 +111,65 @@ def test_a13_rollback_same_number_only_when_signed_later() -> None:
     assert not is_news(dataclasses.replace(other, created=m.created - 60), m)  # an older signing
     assert is_news(dataclasses.replace(other, created=m.created + 60), m)  # a restarted hub's word
     assert not is_news(m, m)
+
+
+def test_a4_stranger_is_refused_on_the_data_plane(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.WARNING, logger="echo2.node.relay_guard")
+
+    async def main() -> None:
+        with trio.fail_after(60):
+            sw = Swarm(tmp_path, 1, chunk=64 * 1024, up_MBps=50.0)
+            async with trio.open_nursery() as nursery:
+                await sw.start(nursery)
+                await sw.publish(1, _state(200_000, 1))
+                await sw.wait_holds(1, sw.nodes)
+                node = sw.nodes[0]
+                # Checked by the data plane's own limits: a chunk frame is at most one chunk of
+                # the version plus its header, and verified chunks wait in a bounded queue.
+                hub_link = node.links[sw.hub_id.peer_id].conn
+                assert hub_link.max_sizes[FrameType.CHUNK] <= packing.max_encoded_size(64 * 1024) + 13
+                assert node._store_tx.statistics().max_buffer_size < 1000
+                stranger = Identity.generate()
+                conn = await connect(node.data_addr, stranger, node.me, timeout_s=5)
+                await conn.send_request(encode_request(REQ_GET, m=ChunkRequest(version=1, indices=[0, 1]).to_wire()))
+                served = False
+                with trio.move_on_after(5):
+                    try:
+                        while True:
+                            f = await conn.receive()
+                            if f.type is FrameType.CHUNK:
+                                served = True
+                                break
+                            if f.type is FrameType.BYE:
+                                break
+                    except Echo2Error:
+                        pass
+                await conn.abort()
+                assert not served, "a peer in no plan was served"
+                assert "in no current plan: refused" in caplog.text
+                nursery.cancel_scope.cancel()
+
+    trio.run(main)
+
+
+def test_a4_relay_queue_is_deduplicated_and_bounded() -> None:
+    plan = star_view("n", "h")
+    relay = Relay("n", plan, [bytes(32)] * 4, have=range(4), window=1)
+    for _ in range(1000):
+        relay.on_request("p", [0, 1, 2, 3])
+    assert len(relay._queue["p"]) <= 4
+
+
+def test_a4_early_buffers_are_bounded_per_peer() -> None:
+    gate = PeerGate("me", "hub")
+    big = bytes(MiB)
+    kept = sum(gate.buffer_chunk("p", 7, big) for _ in range(100))
+    assert kept * MiB <= 16 * MiB
+    assert gate.buffer_chunk("q", 7, big), "another peer has its own budget"
+    for k in range(10_000):
+        gate.keep_have(f"peer{k}", ChunkHave(peer_id="me", version=9, have=b"\xff"))
+    assert len(gate.early_have) <= 256
+    gate.take_chunks(8)
+    assert gate.early_bytes == 0  # a newer version makes older early chunks worthless
+    limits = gate.frame_limits("stranger", 4 * MiB, 100)
+    assert limits[FrameType.MESSAGE] <= 4096 and limits[FrameType.CHUNK] <= packing.max_encoded_size(4 * MiB) + 13
