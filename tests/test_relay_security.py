@@ -173,3 +173,28 @@ def test_a4_early_buffers_are_bounded_per_peer() -> None:
     assert gate.early_bytes == 0  # a newer version makes older early chunks worthless
     limits = gate.frame_limits("stranger", 4 * MiB, 100)
     assert limits[FrameType.MESSAGE] <= 4096 and limits[FrameType.CHUNK] <= packing.max_encoded_size(4 * MiB) + 13
+
+
+def test_a9_demotion_only_on_evidence_the_accused_served(tmp_path: Path) -> None:
+    """Both nodes are accused (as a relay report does); the hub asks each to serve it a chunk:
+    the honest one serves it intact and stays trusted, the corrupting one is distrusted."""
+
+    async def main() -> None:
+        with trio.fail_after(60):
+            sw = Swarm(tmp_path, 2, chunk=64 * 1024, up_MBps=50.0, corrupt=frozenset({0}))
+            async with trio.open_nursery() as nursery:
+                await sw.start(nursery)
+                await sw.publish(1, _state(300_000, 1))
+                await sw.wait_holds(1, sw.nodes)
+                liar_target, corrupt = sw.nodes[1], sw.nodes[0]
+                for nd in (liar_target, corrupt):
+                    sw.sender.distrust(nd.me, "reported by a peer")
+                assert liar_target.me not in sw.sender.distrusted, "distrusted on an accusation alone"
+                with trio.move_on_after(10):
+                    while corrupt.me not in sw.sender.distrusted or liar_target.me in sw.sender.suspects:
+                        await trio.sleep(0.05)
+                assert corrupt.me in sw.sender.distrusted, "served a corrupt chunk: evidence"
+                assert liar_target.me not in sw.sender.distrusted and liar_target.me not in sw.sender.suspects
+                nursery.cancel_scope.cancel()
+
+    trio.run(main)
