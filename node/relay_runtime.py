@@ -317,7 +317,7 @@ class RelayNode:
         for known in (self.bc.manifest if self.bc is not None else None, held.manifest if held is not None else None):
             if not is_news(m, known):
                 if known is not None and not same_content(m, known):
-                    log.warning("manifest v%d refused: not newer than v%d (a replay)", m.version, known.version)
+                    log.warning("manifest v%d refused: signed before that of v%d (a replay)", m.version, known.version)
                 return
         packing.verify_manifest_consistency(m)
         missing = set(await trio.to_thread.run_sync(self.store.missing, m))

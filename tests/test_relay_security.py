@@ -104,12 +104,16 @@ def test_a13_rollback_replayed_older_manifest_is_refused(tmp_path: Path) -> None
     trio.run(main)
 
 
-def test_a13_rollback_same_number_only_when_signed_later() -> None:
+def test_a13_rollback_only_a_later_signing_is_news() -> None:
     m = _huge_manifest(3, "{}")
     other = dataclasses.replace(m, chunks=[dataclasses.replace(m.chunks[0], raw_hash=b"\x01" * 32), *m.chunks[1:]])
-    assert not is_news(dataclasses.replace(m, version=2), m)  # an older number: never
-    assert not is_news(dataclasses.replace(other, created=m.created - 60), m)  # an older signing
-    assert is_news(dataclasses.replace(other, created=m.created + 60), m)  # a restarted hub's word
+    older, later = m.created - 60, m.created + 60
+    assert not is_news(dataclasses.replace(other, version=2, created=older), m)  # a replayed older version
+    assert not is_news(dataclasses.replace(other, created=older), m)  # an older signing of the same number
+    assert not is_news(dataclasses.replace(other, version=9, created=older), m)  # a hub's earlier run, further on
+    assert is_news(dataclasses.replace(other, created=later), m)  # a restarted hub's word on its version
+    assert is_news(dataclasses.replace(other, version=2, created=later), m)  # ... resumed from an older checkpoint
+    assert is_news(dataclasses.replace(other, version=4, created=later), m)
     assert not is_news(m, m)
 
 
