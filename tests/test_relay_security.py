@@ -202,3 +202,32 @@ def test_a9_demotion_only_on_evidence_the_accused_served(tmp_path: Path) -> None
                 nursery.cancel_scope.cancel()
 
     trio.run(main)
+
+
+def test_a9_demotion_not_on_a_childs_pull(tmp_path: Path) -> None:
+    """A child pulling its stripe from the hub is its word against its parent's: the parent is
+    not demoted for it (the hub demotes only on what it saw itself)."""
+
+    async def main() -> None:
+        with trio.fail_after(60):
+            sw = Swarm(tmp_path, 4, chunk=128 * 1024, up_MBps=8.0)
+            async with trio.open_nursery() as nursery:
+                await sw.start(nursery)
+                await sw.publish(1, _state(1_000_000, 1))
+                await sw.wait_holds(1, sw.nodes)
+                cur = sw.sender.cur
+                hub = sw.hub_id.peer_id
+                pairs = [(child, p, s) for s in range(cur.plan.stripes)
+                         for child, p in cur.plan.parent[s].items() if p != hub]
+                assert pairs, f"the planner made no node a relay: {cur.plan.parent}"
+                child, parent, stripe = pairs[0]
+                node = next(nd for nd in sw.nodes if nd.me == child)
+                indices = [i for i in range(cur.relay.n) if cur.plan.stripe_of(i) == stripe][:4]
+                req = encode_request(REQ_GET, m=ChunkRequest(version=1, indices=indices).to_wire())
+                for _ in range(3):
+                    await node.links[hub].conn.send_request(req)
+                await trio.sleep(1.0)
+                assert parent not in sw.sender.demoted, "demoted on a child's word"
+                nursery.cancel_scope.cancel()
+
+    trio.run(main)
