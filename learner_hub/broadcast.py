@@ -18,9 +18,12 @@ the hub (it dials; see :mod:`echo2.node.relay_runtime` for the whole wire protoc
 - demotes a relay that makes no progress to a leaf (repair now, and a leaf in later plans): one
   that sent no ``have`` for the current version within ``progress_timeout_s`` of its plan (every
   live node announces its holdings as soon as the manifest comes, so silence means it does not
-  read the hub link), or whose children pull its stripe from the hub. Its children would otherwise
-  wait out their stall timer on every version. It is promoted again once it reports holding a
-  version published after its demotion;
+  read the hub link), or a send to which has been blocked that long: what the hub saw itself,
+  never another node's word (a child's pull from the hub is not held against its parent, A9). Its
+  children would otherwise wait out their stall timer on every version. It is promoted again once
+  it reports holding a version published after its demotion;
+- distrusts a relay (a leaf for good) only on evidence: an accused relay is asked to serve the
+  hub a chunk, and distrusted if that chunk is corrupt (:mod:`.relay_challenge`);
 - keeps each connection's send queue bounded: items of superseded versions are dropped when a new
   version starts, so a peer that stops reading costs the hub neither memory nor other links' time
   (every link has its own sender task; nothing else awaits a send);
@@ -51,11 +54,21 @@ from echo2.protocol.messages import BroadcastPlan, ChunkHave, ChunkRequest
 from echo2.protocol.net.connection import DataConnection, duplex
 from echo2.protocol.net.relaydriver import RelayDriver, RelayLink
 from echo2.protocol.relay import Relay
-from echo2.protocol.wire import REQ_FULL, REQ_GET, REQ_HAVE, REQ_HELLO, REQ_STATS, decode_request
+from echo2.protocol.wire import (
+    REQ_FULL,
+    REQ_GET,
+    REQ_HAVE,
+    REQ_HELLO,
+    REQ_STATS,
+    decode_request,
+    encode_request,
+    unpack_chunk_frame,
+)
 
 from .broadcast_book import UNLIMITED_BPS, HubSide, PeerInfo, PublishedSource, VersionMetrics
 from .planner import NodeInfo, Plan, plan_broadcast, replan
 from .publisher import PolicyPublisher, Published, StarSender
+from .relay_challenge import Challenges, intact
 
 log = logging.getLogger(__name__)
 
@@ -108,6 +121,7 @@ class PipelinedSender(HubSide):
         self.demoted: dict[str, int] = {}
         # peers reported relaying corrupt chunks: leaves in every plan, for good
         self.distrusted: set[str] = set()
+        self.challenges = Challenges()
         # version -> (node, stripe) -> every parent a plan (or repair) of it gave the node
         self._parents: dict[int, dict[tuple[str, int], set[str]]] = {}
         self._stripes: dict[int, int] = {}
@@ -231,7 +245,47 @@ class PipelinedSender(HubSide):
             return False
         return parent in seen.get((node, index % stripes), ())
 
-    def distrust(self, peer: str, why: str) -> None:
+    @property
+    def suspects(self) -> dict[str, tuple[str, int | None]]:
+        return self.challenges.suspects
+
+    def distrust(self, peer: str, why: str, index: int | None = None) -> None:
+        """An accusation (a node's relay report, or one restored after a restart): ``peer`` is
+        asked to serve the hub a chunk and distrusted only if that chunk is corrupt (A9)."""
+        if peer in self.distrusted or not self.challenges.accuse(peer, why, index):
+            return
+        log.warning("relay %s accused (%s): asked to serve the hub a chunk; distrusted only if it is corrupt", peer, why)
+        self._challenge(peer)
+
+    def _challenge(self, peer: str) -> None:
+        cur, link = self.cur, self.links.get(peer)
+        if cur is None or link is None:
+            return  # asked once it is connected during a broadcast (_watch, or its next have)
+        ch = self.challenges.next(peer, cur.pub.version, cur.relay.peer_have.get(peer, set()), trio.current_time())
+        if ch is not None:
+            req = ChunkRequest(version=ch.version, indices=[ch.index])
+            link.put(("req", ch.version, encode_request(REQ_GET, m=req.to_wire())))
+
+    async def _on_chunk(self, peer: str, payload: bytearray) -> None:
+        """A chunk frame from a node: the answer to a challenge, or ignored (nothing else is asked)."""
+        cf = unpack_chunk_frame(payload)
+        ch = self.challenges.answer(peer, cf.version, cf.index)
+        pub = self.publisher.recent.get(cf.version)
+        if ch is None or pub is None:
+            return
+        m = pub.packed.manifest
+        data = bytes(cf.data)
+        ok = await trio.to_thread.run_sync(
+            lambda: intact(m.chunks[ch.index], cf.encoding, data, bf16_split=m.bf16_split)
+        )
+        why, _ = self.challenges.suspects.get(peer, ("", None))
+        self.challenges.clear(peer)
+        if ok:
+            log.info("relay %s served chunk %d of v%d intact: accusation (%s) not substantiated", peer, ch.index, ch.version, why)
+        else:
+            self._distrust_now(peer, f"served the hub a corrupt chunk {ch.index} of v{ch.version}; accused: {why}")
+
+    def _distrust_now(self, peer: str, why: str) -> None:
         if peer in self.distrusted:
             return
         self.distrusted.add(peer)
@@ -268,6 +322,8 @@ class PipelinedSender(HubSide):
         while True:
             await trio.sleep(self.progress_timeout_s / 4)
             self._check_progress(link)
+            if link.peer in self.challenges.suspects:
+                self._challenge(link.peer)
 
     def _on_message(self, peer: str, payload: bytearray) -> None:
         super()._on_message(peer, payload)
@@ -305,6 +361,8 @@ class PipelinedSender(HubSide):
             self._on_request(link, frame.payload)
         elif frame.type is FrameType.MESSAGE:
             self._on_message(link.peer, frame.payload)
+        elif frame.type is FrameType.CHUNK:
+            await self._on_chunk(link.peer, frame.payload)
 
     def _on_request(self, link: RelayLink, payload: bytearray) -> None:
         kind, d = decode_request(payload)
@@ -327,18 +385,13 @@ class PipelinedSender(HubSide):
         elif kind == REQ_HAVE:
             h: ChunkHave = d["m"]
             self.driver.on_have(peer, h)
+            if peer in self.challenges.suspects:
+                self._challenge(peer)
         elif kind == REQ_GET:
             r: ChunkRequest = d["m"]
-            if r.version == cur.pub.version:
-                # A child pulls from the hub what its parent should have pushed: that parent
-                # stalled (the child waited out its stall timer) or sent it a corrupt chunk.
-                stalled = {
-                    p for i in set(r.indices[:4096])
-                    if 0 <= i < cur.relay.n and (p := cur.plan.parent[cur.plan.stripe_of(i)].get(peer)) not in (None, self.hub, peer)
-                }
-                for p in sorted(stalled):
-                    self._demote(p, f"{peer} pulls its stripe from the hub")
-                self.driver.on_get(peer, r)
+            # Answered, and never held against the pulling node's parent: a child's pull is its
+            # word, not evidence (A9); a relay that stops reading is caught by _check_progress.
+            self.driver.on_get(peer, r)
         elif kind == REQ_FULL:
             r = d["m"]
             if r.version == cur.pub.version:

@@ -96,7 +96,7 @@ class HubSide:
         self.changed.set()
         self.changed = trio.Event()
 
-    def distrust(self, peer: str, why: str) -> None:
+    def distrust(self, peer: str, why: str, index: int | None = None) -> None:
         """Never use ``peer`` as a relay again (it was reported relaying corrupt chunks). The
         star sender has no relays: nothing to do."""
 

@@ -74,11 +74,11 @@ from echo2.protocol.wire import (
 )
 
 from .chunkstore import ChunkStore
+from .relay_guard import PeerGate
 from .relay_state import (
     Broadcast,
     HeldInfo,
     RelayConfig,
-    WirePlan,
     budget_refusal,
     is_news,
     plan_from_message,
@@ -88,10 +88,9 @@ from .relay_state import (
 
 log = logging.getLogger(__name__)
 
-# Chunks of a version whose manifest has not come yet (a parent forwards as soon as it verified,
-# and its manifest may overtake ours): kept up to this many bytes, replayed when the manifest comes.
-MAX_EARLY_BYTES = 64 * 1024 * 1024
-MAX_EARLY_VERSIONS = 4
+# Verified chunks waiting for the decode-and-store worker: a link whose chunks come faster than
+# the disk takes them waits (backpressure), instead of queueing without bound (A4).
+STORE_QUEUE = 16
 MAX_EVIDENCE = 1024  # evidence kept for inspection (each report goes to on_evidence as it comes)
 
 OnHolds = Callable[[HeldInfo], Awaitable[None] | None]
@@ -159,14 +158,13 @@ class RelayNode:
         )
         self._dialing: dict[str, trio.Event] = {}
         self._pending: dict[str, dict[tuple[int, int], None]] = {}  # peer -> sends waiting for its link
-        self._early_have: dict[str, ChunkHave] = {}
-        self._early_chunks: dict[int, list[tuple[str, bytes]]] = {}
-        self._early_bytes = 0
-        self._plans: dict[int, WirePlan] = {}
+        self.gate = PeerGate(self.me, hub_peer)
         self.bc: Broadcast | None = None
         self.held: HeldInfo | None = None
         self.evidence: deque[tuple[int, Evidence]] = deque(maxlen=MAX_EVIDENCE)
-        self._store_tx, self._store_rx = trio.open_memory_channel[tuple[int, int, int, bytes, str]](math.inf)
+        self._store_tx, self._store_rx = trio.open_memory_channel[tuple[int, int, int, bytes, str]](
+            STORE_QUEUE
+        )
         self._nursery: trio.Nursery | None = None
         self.holds_event = trio.Event()
 
@@ -211,10 +209,12 @@ class RelayNode:
             await trio.sleep(delay)
 
     async def _serve(self, conn: DataConnection) -> None:
-        await self._link_main(conn)
+        if await self.gate.admit(conn.peer_id):
+            await self._link_main(conn)
 
     async def _link_main(self, conn: DataConnection, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
         link = self.driver.link_up(conn)
+        self._limit_frames(link)
         for ver, i in self._pending.pop(link.peer, {}):
             link.put(("chunk", ver, i))
         task_status.started(link)
@@ -226,10 +226,18 @@ class RelayNode:
         finally:
             self._link_gone(link)
 
+    def _limit_frames(self, link: RelayLink) -> None:
+        m = self.bc.manifest if self.bc is not None else self.held.manifest if self.held is not None else None
+        chunk, n = (m.chunk_size, len(m.chunks)) if m is not None else (None, None)
+        link.conn.max_sizes.update(self.gate.frame_limits(link.peer, chunk, n))
+
     def _link_gone(self, link: RelayLink) -> None:
         self.driver.link_down(link)
         b = self.bc
-        if b is None or link.peer in self.links:
+        if link.peer in self.links:
+            return
+        self.gate.forget(link.peer)
+        if b is None:
             return
         b.relay.peer_have.pop(link.peer, None)  # it can no longer serve what it advertised
         if link.peer in b.relay.parents:
@@ -285,8 +293,7 @@ class RelayNode:
         msg = v.message
         if isinstance(msg, BroadcastPlan):
             plan = plan_from_message(msg, self.hub_peer)
-            self._plans = {k: p for k, p in self._plans.items() if k >= msg.version - 2}
-            self._plans[msg.version] = plan
+            self.gate.add_plan(msg.version, plan)
             b = self.bc
             if b is not None and b.version == msg.version:
                 b.plan = plan
@@ -310,7 +317,7 @@ class RelayNode:
         for known in (self.bc.manifest if self.bc is not None else None, held.manifest if held is not None else None):
             if not is_news(m, known):
                 if known is not None and not same_content(m, known):
-                    log.warning("manifest v%d refused: not newer than v%d (a replay)", m.version, known.version)
+                    log.warning("manifest v%d refused: signed before that of v%d (a replay)", m.version, known.version)
                 return
         packing.verify_manifest_consistency(m)
         missing = set(await trio.to_thread.run_sync(self.store.missing, m))
@@ -322,7 +329,7 @@ class RelayNode:
             return
         await trio.to_thread.run_sync(self.store.save_version, m, raw)
         have = [c.index for c in m.chunks if c.index not in missing]
-        plan = self._plans.get(m.version) or star_view(self.me, self.hub_peer)
+        plan = self.gate.plans.get(m.version) or star_view(self.me, self.hub_peer)
         now = trio.current_time()
         relay = Relay(
             self.me, plan, [c.enc_hash for c in m.chunks], have=have, now=now,
@@ -333,10 +340,10 @@ class RelayNode:
         self.bc = b
         self.driver.start(m.version, relay)
         log.info("version %d: %d chunks, %d already held", m.version, len(m.chunks), len(have))
-        for peer, h in list(self._early_have.items()):
-            if h.version == m.version:
-                relay.on_have(peer, h.have, now=now)
-        self._early_have = {p: h for p, h in self._early_have.items() if h.version > m.version}
+        for peer, h in self.gate.take_haves(m.version):
+            relay.on_have(peer, h.have, now=now)
+        for link in self.links.values():
+            self._limit_frames(link)
         self._pending = {p: {it: None for it in items if it[0] >= m.version} for p, items in self._pending.items()}
         self._act(b, relay.start(now=now))
         self._dial_parents(b)
@@ -345,20 +352,8 @@ class RelayNode:
         if not missing:
             await self._complete(b)
 
-    def _buffer_early(self, peer: str, version: int, payload: bytes) -> None:
-        if version not in self._early_chunks and len(self._early_chunks) >= MAX_EARLY_VERSIONS:
-            return
-        if self._early_bytes + len(payload) > MAX_EARLY_BYTES:
-            return  # the relay's pull path fetches it once the manifest is here
-        self._early_chunks.setdefault(version, []).append((peer, payload))
-        self._early_bytes += len(payload)
-
     async def _replay_early(self, b: Broadcast) -> None:
-        mine = self._early_chunks.pop(b.version, [])
-        for v in [v for v in self._early_chunks if v < b.version]:
-            del self._early_chunks[v]
-        self._early_bytes = sum(len(p) for items in self._early_chunks.values() for _, p in items)
-        for peer, payload in mine:
+        for peer, payload in self.gate.take_chunks(b.version):
             if self.bc is not b:
                 return
             try:
@@ -376,7 +371,7 @@ class RelayNode:
         b = self.bc
         if b is None or cf.version > b.version:
             if self.held is None or cf.version > self.held.version:
-                self._buffer_early(peer, cf.version, bytes(payload))
+                self.gate.buffer_chunk(peer, cf.version, bytes(payload))
             return
         if cf.version != b.version:
             return
@@ -397,11 +392,12 @@ class RelayNode:
             data = bytes(cf.data)
             b.encoded[i] = data
             self._act(b, b.relay.on_chunk_verified(i, now=now))  # forward before decoding: cut-through
-            self._store_tx.send_nowait((b.version, i, ENC_MANIFEST, data, peer))
+            await self._store_tx.send((b.version, i, ENC_MANIFEST, data, peer))
         else:
-            if i in b.relay.have and i not in b.need_full:
-                return
-            self._store_tx.send_nowait((b.version, i, ENC_FULL, bytes(cf.data), peer))
+            if (i in b.relay.have and i not in b.need_full) or i in b.full_queued:
+                return  # one full encoding of a chunk at a time waits to be decoded
+            b.full_queued.add(i)
+            await self._store_tx.send((b.version, i, ENC_FULL, bytes(cf.data), peer))
 
     def _on_request(self, link: RelayLink, payload: bytearray) -> None:
         kind, d = decode_request(payload)
@@ -409,7 +405,7 @@ class RelayNode:
         if kind == REQ_HAVE:
             h: ChunkHave = d["m"]
             if not self.driver.on_have(link.peer, h) and (b is None or h.version > b.version):
-                self._early_have[link.peer] = h
+                self.gate.keep_have(link.peer, h)
         elif kind == REQ_GET:
             self.driver.on_get(link.peer, d["m"])
         # hello/stats/full are for the hub; a node ignores them
@@ -427,6 +423,8 @@ class RelayNode:
                 if flag == ENC_FULL:
                     self._act(b, b.relay.on_chunk_corrupt(i, peer, digest(data)))
                 outcome = "need_full"
+            if flag == ENC_FULL:
+                b.full_queued.discard(i)
             if self.bc is not b:
                 continue
             if outcome == "need_full":

@@ -93,6 +93,7 @@ class Broadcast:
     t0: float
     encoded: dict[int, bytes] = field(default_factory=dict)
     need_full: set[int] = field(default_factory=set)
+    full_queued: set[int] = field(default_factory=set)  # full encodings waiting to be decoded
     full_asked_at: float = -math.inf
     done: bool = False
     have_sent: int = -1
@@ -110,15 +111,14 @@ def same_content(a: Manifest, b: Manifest) -> bool:
 
 
 def is_news(new: Manifest, old: Manifest | None) -> bool:
-    """Versions only move forward (A13): a higher number, or the same number with other content
-    signed later (a hub restarted from a checkpoint re-publishes the version it resumed at, and
-    its word on that version wins). An older number, or an older signing of the same number, is
-    a replay of a manifest the hub once signed (they live for days): never news."""
-    if old is None or new.version > old.version:
+    """Publications only move forward (A13): other content signed later than ``old``. Signing
+    time, not the version number, orders them: a hub restarted from a checkpoint re-publishes
+    the version it resumed at (maybe a lower number than it reached before) and its later word
+    wins; a replayed manifest (they stay valid for days) was signed earlier, whatever its number,
+    so it can neither roll a node back nor, from a hub's earlier run, jump it to stale weights."""
+    if old is None:
         return True
-    if new.version < old.version or same_content(new, old):
-        return False
-    return new.created > old.created
+    return not same_content(new, old) and new.created > old.created
 
 
 def memory_budget(cfg: RelayConfig) -> int:

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import logging
 from collections import deque
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -97,6 +97,38 @@ def indices_from_bitmap(bitmap: bytes, n_chunks: int) -> set[int]:
     return out
 
 
+class SendQueue:
+    """Chunks waiting for a peer's window, in order, each at most once (A4: a peer repeating its
+    requests must not grow it; it never holds more than the version's chunks)."""
+
+    def __init__(self) -> None:
+        self._q: deque[int] = deque()
+        self._in: set[int] = set()
+
+    def append(self, i: int) -> None:
+        if i not in self._in:
+            self._in.add(i)
+            self._q.append(i)
+
+    def popleft(self) -> int:
+        i = self._q.popleft()
+        self._in.discard(i)
+        return i
+
+    def clear(self) -> None:
+        self._q.clear()
+        self._in.clear()
+
+    def __contains__(self, i: object) -> bool:
+        return i in self._in
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self._q)
+
+    def __len__(self) -> int:
+        return len(self._q)
+
+
 class Relay:
     """Relay state of node ``me`` for one version with ``len(chunk_hashes)`` chunks.
 
@@ -128,7 +160,7 @@ class Relay:
         self.complete_sent = False
         self.bad_peers: set[str] = set()
         self.peer_have: dict[str, set[int]] = {}
-        self._queue: dict[str, deque[int]] = {}
+        self._queue: dict[str, SendQueue] = {}
         self._inflight: dict[str, set[int]] = {}
         self._done: dict[str, set[int]] = {}  # per child: acknowledged or advertised
         self._requested: dict[int, tuple[str, float]] = {}  # chunk -> (source, deadline)
@@ -149,7 +181,7 @@ class Relay:
         self._stripe_children: list[list[str]] = [list(ch.get(self.me, ())) for ch in plan.children]
         self.last_progress: list[float] = [now] * self.stripes
         for c in self.child_stripes:
-            self._queue.setdefault(c, deque())
+            self._queue.setdefault(c, SendQueue())
             self._inflight.setdefault(c, set())
             self._done.setdefault(c, set(self.peer_have.get(c, ())))
 
@@ -183,7 +215,7 @@ class Relay:
 
     def _serve(self, peer: str, i: int, actions: list[Action]) -> None:
         if peer not in self._queue:
-            self._queue[peer] = deque()
+            self._queue[peer] = SendQueue()
             self._inflight[peer] = set()
             self._done[peer] = set(self.peer_have.get(peer, ()))
         if i not in self._done[peer] and i not in self._inflight[peer]:

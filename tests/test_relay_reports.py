@@ -107,7 +107,9 @@ def test_two_reporters_ban_the_relay_and_everything_is_recorded(hub: Hub) -> Non
     i = plan_with_relay(hub, relay.peer_id, [a.peer_id, b.peer_id])
     assert send(hub, a, report(hub, a, relay.peer_id, index=i)) == "noted"
     assert relay.peer_id in hub.nodes and hub.store.ban_reason(relay.peer_id) is None
-    assert relay.peer_id in hub.sender.distrusted  # a leaf in every later plan already
+    # An accusation, not evidence (A9): a suspect, asked to serve the hub a chunk once it is
+    # connected; distrusted only if that chunk is corrupt (tests/test_relay_security.py).
+    assert relay.peer_id in hub.sender.suspects and relay.peer_id not in hub.sender.distrusted
     again = send(hub, a, report(hub, a, relay.peer_id, index=i, got_hash=b"\x01" * 32))
     assert "already reported" in again
     assert hub.store.ban_reason(relay.peer_id) is None  # the same reporter again: still one
@@ -128,6 +130,7 @@ def test_a_node_can_only_accuse_its_own_parent(hub: Hub) -> None:
     # b was never a's parent: a liar cannot pick its victim
     assert "not its parent" in send(hub, a, report(hub, a, b.peer_id, index=i))
     assert hub.store.relay_reports() == [] and b.peer_id not in hub.sender.distrusted
+    assert b.peer_id not in hub.sender.suspects
 
 
 def test_reports_survive_a_restart_and_a_pardon_clears_them(hub: Hub, tmp_path: Path) -> None:
@@ -138,7 +141,7 @@ def test_reports_survive_a_restart_and_a_pardon_clears_them(hub: Hub, tmp_path: 
     send(hub, a, report(hub, a, relay.peer_id, index=i))
     again = Hub(hub.cfg)  # same directory: the restarted hub
     assert again.reputation.get(relay.peer_id).relay_reporters == {a.peer_id}
-    assert relay.peer_id in again.sender.distrusted
+    assert relay.peer_id in again.sender.suspects
     again.reputation.unban(relay.peer_id)
     assert again.reputation.get(relay.peer_id).relay_reporters == set()
 

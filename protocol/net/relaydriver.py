@@ -31,7 +31,8 @@ from .connection import DataConnection, duplex
 
 log = logging.getLogger(__name__)
 
-# Items a link's queue holds: ("chunk" | "full", version, index) or ("msg" | "manifest", version, bytes).
+# Items a link's queue holds: ("chunk" | "full", version, index), or ("msg" | "manifest", version,
+# envelope) for a MESSAGE frame, or ("req", version, payload) for a REQUEST frame.
 Item = tuple[str, int, Any]
 # Why this bound: chunk items are deduplicated, so an honest queue holds at most two items per
 # chunk of the version (its encoding and its full encoding) plus a few messages; a peer that asks
@@ -213,6 +214,9 @@ class RelayDriver:
         conn = link.conn
         while True:
             kind, ver, x = await link.get()
+            if kind == "req":
+                await conn.send_request(x)
+                continue
             if kind in ("msg", "manifest"):
                 link.sending_since = trio.current_time()
                 try:
