@@ -159,7 +159,7 @@ class Fleet:
 
     def tick(self, now: float) -> None:
         """Once a second: price changes due, overclaims, the billed time saved, fleet changes logged."""
-        for peer, node in self.nodes.items():
+        for peer, node in list(self.nodes.items()):  # a punishment may ban (and remove) the node
             st = self.dispatcher.nodes.get(peer)
             billed = self.prices.step(peer, now, st.in_flight if st is not None else ())
             if billed is not None:

@@ -78,7 +78,7 @@ def test_a13_durability_sigkill_loses_no_acknowledged_result(tmp_path: Path) -> 
             pass  # create and migrate the file first, so the kill can only land in the accept path
         child = subprocess.Popen([sys.executable, "-c", _CHILD, str(d)], stdout=subprocess.PIPE, text=True)
         assert child.stdout is not None
-        acked = []
+        acked: list[str] = []
         stop_after = rng.randint(5, 60)
         try:
             while len(acked) < stop_after:
