@@ -87,7 +87,7 @@ class PriceBook:
             # a price from before a restart is held to today's operator bound too
             start = min(asked if known is None else known, self.limits.max_price)
             p = self._peers[peer] = _Price(start, asked, now, start)
-        p.asked = asked
+        self.ask(peer, asked)
         return p.offered
 
     def ask(self, peer: str, asked: float) -> None:

@@ -189,4 +189,5 @@ def test_a6_max_price_is_a_validated_config_key(tmp_path: Path) -> None:
 
 def test_a6_price_from_before_a_restart_obeys_todays_max_price() -> None:
     book = PriceBook(ClaimLimits(max_price=2.0))
-    assert book.admit("a", 1.0, 0.0, known=50.0) == 2.0
+    assert book.admit("a", 2.0, 0.0, known=50.0) == 2.0
+    assert book.admit("b", 1.0, 0.0, known=50.0) == 1.0  # asking less than before: at once
