@@ -11,7 +11,7 @@ import os
 import stat
 from pathlib import Path
 
-from echo2.fsutil import atomic_write
+from echo2.fsutil import atomic_write, fsync_dir
 from echo2.protocol.errors import IdentityError
 from echo2.protocol.identity import Identity
 
@@ -20,6 +20,7 @@ def save_identity(identity: Identity, path: str | os.PathLike[str]) -> None:
     """Write ``identity``'s key file at ``path`` (mode 0600, atomic), creating its folder."""
     p = Path(path)
     p.parent.mkdir(parents=True, exist_ok=True)
+    fsync_dir(p.parent.parent)  # the key's folder may be new: its entry must survive a crash too
     atomic_write(p, identity.key_file_bytes(), mode=0o600)
 
 

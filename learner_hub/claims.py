@@ -84,9 +84,10 @@ class PriceBook:
         the bounded rate like any change. Returns the price in force."""
         p = self._peers.get(peer)
         if p is None:
-            start = asked if known is None else known
+            # a price from before a restart is held to today's operator bound too
+            start = min(asked if known is None else known, self.limits.max_price)
             p = self._peers[peer] = _Price(start, asked, now, start)
-        p.asked = asked
+        self.ask(peer, asked)
         return p.offered
 
     def ask(self, peer: str, asked: float) -> None:

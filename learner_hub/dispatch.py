@@ -259,11 +259,10 @@ class Dispatcher:
     def _make_task(self, now: float, st: NodeState, min_version: int, max_groups: int | None = None) -> TaskAssignment:
         cfg = self.config
         budget = st.rate * cfg.target_task_s  # rollouts the node should do in target_task_s
+        cap = cfg.max_prompts_per_task if max_groups is None else min(cfg.max_prompts_per_task, max(1, max_groups))
         groups: list[PromptGroup] = [self.queue.popleft()]
         n = groups[0].group_size
-        while (
-            self.queue and len(groups) < cfg.max_prompts_per_task and n + self.queue[0].group_size <= budget
-        ):
+        while self.queue and len(groups) < cap and n + self.queue[0].group_size <= budget:
             g = self.queue.popleft()
             groups.append(g)
             n += g.group_size

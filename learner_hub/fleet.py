@@ -129,7 +129,7 @@ class Fleet:
             node.announce, node.last_seen = announce, now
         known = self.ledger.price_micro(peer) / MICRO if peer in self.ledger else None
         price = self.prices.admit(peer, announce.price_usd_per_hour, now, known)
-        if known is None:
+        if known is None or to_micro(price) != self.ledger.price_micro(peer):
             self.ledger.set_price(peer, price, now)
         self.store.submit(HubStore.upsert_node, peer, now, announce=announce.to_wire(), price=price, state="standby")
         # the claim only seeds a probation: small tasks until the hub has timed one
@@ -161,7 +161,7 @@ class Fleet:
 
     def tick(self, now: float) -> None:
         """Once a second: price changes due, overclaims, the billed time saved, fleet changes logged."""
-        for peer, node in self.nodes.items():
+        for peer, node in list(self.nodes.items()):  # a punishment may ban (and remove) the node
             st = self.dispatcher.nodes.get(peer)
             billed = self.prices.step(peer, now, st.in_flight if st is not None else ())
             if billed is not None:

@@ -465,14 +465,19 @@ class HubStore(JoinTokens):
 
     # --- ledger ----------------------------------------------------------------------------------
     def save_ledger(self, rows: Iterable[AccountRow], now: float) -> None:
-        """Persist a :meth:`Ledger.snapshot` (upsert per node). The accepted counts it carries
-        include every result whose :meth:`record_accepted` was queued before it (the store runs
-        its calls in order), so it never moves them backwards."""
+        """Persist a :meth:`Ledger.snapshot` (upsert per node): billed time, cost, price and
+        refusals. The accepted counts of a node already in the table are left alone: each
+        :meth:`record_accepted` adds its own in its transaction, and a snapshot taken on the loop
+        before results that were committed ahead of it must not move them backwards."""
         with self._tx() as db:
             db.executemany(
-                "INSERT OR REPLACE INTO ledger (peer_id, price, active_s, cost_usd, accepted_results,"
+                "INSERT INTO ledger (peer_id, price, active_s, cost_usd, accepted_results,"
                 " accepted_rollouts, accepted_tokens, refused_by_reason, saved_at, price_micro, active_ms,"
-                " cost_micro, cost_rem) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                " cost_micro, cost_rem) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)"
+                " ON CONFLICT(peer_id) DO UPDATE SET price = excluded.price, active_s = excluded.active_s,"
+                " cost_usd = excluded.cost_usd, refused_by_reason = excluded.refused_by_reason,"
+                " saved_at = excluded.saved_at, price_micro = excluded.price_micro, active_ms = excluded.active_ms,"
+                " cost_micro = excluded.cost_micro, cost_rem = excluded.cost_rem",
                 [
                     (r.peer_id, r.price_usd_per_hour, r.active_s, r.cost_usd, r.accepted_results,
                      r.accepted_rollouts, r.accepted_tokens, json.dumps(r.refused_by_reason, sort_keys=True), now,
