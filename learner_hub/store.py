@@ -22,17 +22,16 @@ from __future__ import annotations
 import json
 import logging
 import os
-import re
 import sqlite3
 import threading
-import time
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from echo2.fsutil import TMP_PREFIX, atomic_write_with, fsync_dir
+from echo2.fsutil import fsync_dir
 
+from .checkpointstore import CheckpointFiles
 from .joinstore import JoinTokens
 from .ledger import AccountRow, NodeRow, hardware_summary, ledger_csv, render_ledger, render_nodes, totals_of
 from .schema import (
@@ -52,9 +51,8 @@ log = logging.getLogger(__name__)
 
 DB_NAME = "hub.sqlite"
 CHECKPOINT_DIR = "checkpoints"
-_CKPT_RE = re.compile(r"^step-(\d+)\.pt$")
 
-class HubStore(JoinTokens):
+class HubStore(JoinTokens, CheckpointFiles):
     """SQLite-backed hub state. ``path`` is the database file (conventionally DIR/hub.sqlite);
     checkpoints go to ``checkpoint_dir`` (default: a ``checkpoints`` folder beside it)."""
 
@@ -507,78 +505,6 @@ class HubStore(JoinTokens):
     def get_meta(self, key: str, default: Any = None) -> Any:
         rows = self._read("SELECT value FROM meta WHERE key = ?", (key,))
         return json.loads(rows[0][0]) if rows else default
-
-    # --- checkpoints ---------------------------------------------------------------------------------
-    def save_checkpoint(self, step: int, state: dict[str, Any]) -> Path:
-        """``torch.save`` ``state`` to checkpoints/step-N.pt atomically; keep the newest K."""
-        final, size = self.write_checkpoint_file(self.checkpoint_dir, step, state)
-        self.record_checkpoint(step, final, size)
-        return final
-
-    @staticmethod
-    def write_checkpoint_file(checkpoint_dir: Path, step: int, state: dict[str, Any]) -> tuple[Path, int]:
-        """The file half of :meth:`save_checkpoint` (no database): the hub runs it in its own
-        thread so a large model's write does not hold up the store's queue."""
-        import torch
-
-        if step < 0:
-            raise ValueError("step must be >= 0")
-        checkpoint_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
-        final = checkpoint_dir / f"step-{step}.pt"
-        atomic_write_with(final, lambda f: torch.save(state, f))
-        return final, final.stat().st_size
-
-    def record_checkpoint(self, step: int, final: Path, size: int) -> None:
-        """The database half of :meth:`save_checkpoint`: list the file, prune old ones."""
-        with self._tx() as db:
-            db.execute(
-                "INSERT OR REPLACE INTO checkpoints (step, path, created, bytes) VALUES (?, ?, ?, ?)",
-                (step, final.name, time.time(), size),
-            )
-        self._prune_checkpoints()
-
-    def _checkpoint_files(self) -> list[tuple[int, Path]]:
-        # The directory, not the table, is the truth: a crash between os.replace and the INSERT
-        # still leaves a usable checkpoint.
-        if not self.checkpoint_dir.is_dir():
-            return []
-        out = []
-        for p in self.checkpoint_dir.iterdir():
-            m = _CKPT_RE.match(p.name)
-            if m:
-                out.append((int(m.group(1)), p))
-        return sorted(out)
-
-    def _prune_checkpoints(self) -> None:
-        files = self._checkpoint_files()
-        old = files[: -self.keep_checkpoints]
-        for _step, p in old:
-            p.unlink(missing_ok=True)
-        # leftovers of a crash mid-write (fsutil's temporary names, and those of older echo2)
-        for pattern in (f"{TMP_PREFIX}step-*.pt.*", ".step-*.pt.tmp"):
-            for p in self.checkpoint_dir.glob(pattern):
-                p.unlink(missing_ok=True)
-        if old:
-            with self._tx() as db:
-                db.executemany("DELETE FROM checkpoints WHERE step = ?", [(s,) for s, _ in old])
-
-    def checkpoint_steps(self) -> list[int]:
-        return [s for s, _ in self._checkpoint_files()]
-
-    def latest_checkpoint(self) -> tuple[int, dict[str, Any]] | None:
-        """The newest checkpoint that loads, as (step, state); None if there is none."""
-        import torch
-
-        for step, p in reversed(self._checkpoint_files()):
-            try:
-                state = torch.load(p, map_location="cpu", weights_only=True)
-            except Exception as exc:  # a damaged file must not stop the hub from resuming an older one
-                log.error("checkpoint %s cannot be loaded (%s); trying an older one", p, exc)
-                continue
-            if isinstance(state, dict):
-                return step, state
-            log.error("checkpoint %s does not hold a dict; ignored", p)
-        return None
 
     # --- operator reports (`echo2 hub nodes`, `echo2 hub ledger`) -----------------------------------
     def node_rows(self) -> list[NodeRow]:
