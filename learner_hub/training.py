@@ -81,7 +81,7 @@ class Trainer:
         self.prompt_seq = 0
         self.started = time.time()
         #: every row is checked against the published weights it was made with before a step
-        self.verifier = Verifier(learner, published_weights(publisher), cfg.logprob_tolerance)
+        self.verifier = Verifier(learner, published_weights(publisher), cfg.logprob_tolerance, fraction=cfg.verify_fraction)
         self.trained_rows: Counter[str] = Counter()  # node -> rows that entered a GRPO step
         self._buffer_changed = trio.Event()
         self._trained: set[str] = set()  # tasks with a group trained and groups still buffered
