@@ -124,8 +124,33 @@ def replace_msg(msg: Any, **changes: Any) -> Any:
     return msgspec.structs.replace(msg, **changes)
 
 
-async def send_as_hub(ctx: Ctx, i: int, hub_ident: Any, payload: bytes, linger_s: float) -> str:
-    """Open node ``i``'s data plane with the hub's key and send one MESSAGE frame."""
+def hostile_version(ctx: Ctx, i: int, model_config: str) -> tuple[int, Any, bytes, bytes] | None:
+    """A hub-signed version for node ``i``: its own weights with one byte of the last chunk
+    changed (so that one chunk must travel, and the version completes in the node's store worker
+    as a real one does) under ``model_config``. (version, hub identity, manifest envelope, the
+    CHUNK frame payload)."""
+    from echo2.node.chunkstore import ChunkStore
+    from echo2.protocol import envelope, packing
+    from echo2.protocol.hashing import digest
+    from echo2.protocol.wire import ENC_MANIFEST, pack_chunk_frame
+
+    got = held_manifest(ctx, i)
+    if got is None:
+        return None
+    m, hub = got
+    raws = ChunkStore(ctx.h.root / f"node{i}" / "store", fsync=False).load_raw_chunks(m)
+    raw = bytearray(raws[-1])
+    raw[-1] ^= 1
+    enc = packing.encode_chunk(raw)
+    last = replace_msg(m.chunks[-1], raw_hash=digest(raw), encoding="full", enc_size=len(enc), enc_hash=digest(enc),
+                       parent_raw_hash=None)
+    version = m.version + 1000
+    bad = replace_msg(m, version=version, created=time.time(), model_config=model_config, chunks=[*m.chunks[:-1], last])
+    return version, hub, envelope.seal(hub, bad), pack_chunk_frame(version, last.index, ENC_MANIFEST, enc)
+
+
+async def send_as_hub(ctx: Ctx, i: int, hub_ident: Any, payload: bytes, linger_s: float, chunk: bytes | None = None) -> str:
+    """Open node ``i``'s data plane with the hub's key and send one MESSAGE frame (and a chunk)."""
     from echo2.protocol.errors import Echo2Error
     from echo2.protocol.net.dataplane import connect
 
@@ -135,6 +160,9 @@ async def send_as_hub(ctx: Ctx, i: int, hub_ident: Any, payload: bytes, linger_s
         return f"refused:{getattr(exc, 'reason', getattr(exc, 'code', type(exc).__name__))}"
     try:
         await conn.send_message(payload)
+        if chunk is not None:
+            await trio.sleep(0.5)
+            await conn.send_chunk(chunk)
         with trio.move_on_after(linger_s):
             while True:
                 await conn.receive()
@@ -149,22 +177,22 @@ async def a7_hostile_hub(ctx: Ctx) -> Effect:
     """A hub-signed version for node 0 whose model config needs far more memory than any machine
     has (the weights it names are the node's own, so the version completes at once and goes to
     the engine). Effect: the node process survived (and what it said)."""
-    from echo2.protocol import envelope
 
     got = held_manifest(ctx, 0)
     if got is None:
         return "not measured: node 0 holds no complete version", None
-    m, hub = got
-    cfg = json.loads(m.model_config)
+    cfg = json.loads(got[0].model_config)
     cfg.update(hidden_size=1 << 16, intermediate_size=1 << 18, num_hidden_layers=512, vocab_size=1 << 22)
-    bad = replace_msg(m, version=m.version + 1000, created=time.time(), model_config=json.dumps(cfg, sort_keys=True))
-    payload = envelope.seal(hub, bad)
+    hv = hostile_version(ctx, 0, json.dumps(cfg, sort_keys=True))
+    if hv is None:
+        return "not measured: node 0 holds no complete version", None
+    _version, hub, payload, chunk = hv
     proc = ctx.h.swarm.nodes[0]
     peak = RssPeak(proc.pid)
     async with trio.open_nursery() as n:
         n.start_soon(peak.run)
         ctx.begin()
-        sent = await send_as_hub(ctx, 0, hub, payload, linger_s=2.0)
+        sent = await send_as_hub(ctx, 0, hub, payload, linger_s=2.0, chunk=chunk)
         await trio.sleep(max(0.0, ctx.seconds - 2.0))
         ctx.end()
         n.cancel_scope.cancel()
@@ -194,24 +222,24 @@ async def a8_config_injection(ctx: Ctx) -> Effect:
     kernels-hub repository (transformers would fetch and run its code) and a key outside any
     allow-list. Effect: whether the setting reached the engine (node log: the version loaded or
     transformers acted on it) or was refused."""
-    from echo2.protocol import envelope
 
     got = held_manifest(ctx, 0)
     if got is None:
         return "not measured: node 0 holds no complete version", None
-    m, hub = got
     repo = "kernels-community/flash-attn"
-    cfg = json.loads(m.model_config)
+    cfg = json.loads(got[0].model_config)
     cfg.update(attn_implementation=repo, echo2_attack_unlisted_key=1)
-    version = m.version + 1000
-    bad = replace_msg(m, version=version, created=time.time(), model_config=json.dumps(cfg, sort_keys=True))
+    hv = hostile_version(ctx, 0, json.dumps(cfg, sort_keys=True))
+    if hv is None:
+        return "not measured: node 0 holds no complete version", None
+    version, hub, payload, chunk = hv
     proc = ctx.h.swarm.nodes[0]
     ctx.begin()
-    sent = await send_as_hub(ctx, 0, hub, envelope.seal(hub, bad), linger_s=2.0)
+    sent = await send_as_hub(ctx, 0, hub, payload, linger_s=2.0, chunk=chunk)
     await trio.sleep(max(0.0, ctx.seconds - 2.0))
     ctx.end()
     log = ctx.node_log_since(0)
-    loaded = re.search(rf"holds version {version}\b", log) is not None
+    loaded = re.search(rf"holds version {version} \(", log) is not None  # the engine loaded it
     refused = [line[-200:] for line in log.splitlines()
                if re.search(r"attn_implementation|echo2_attack_unlisted_key", line)
                and re.search(r"refus|not allowed|allow-list|allowlist|ignor|forbidden", line, re.I)]

@@ -88,11 +88,12 @@ class Harness:
 
         self.root = root
         self.n_nodes = n_nodes
-        # pipelined: the planner chooses parents among the nodes (A10 needs a plan to be in);
-        # a fixed listen port: a restarted hub keeps the address the nodes dial
+        # pipelined, with a hub uplink (20 MB/s) too small to serve every node itself: the planner
+        # chooses parents among the nodes (A9 and A10 need a plan to be in);
+        # fixed control and data ports: a restarted hub keeps the addresses the nodes dial
         cfg = HubConfig(steps=1_000_000, prompts_per_step=4, group_size=4, max_new_tokens=4, staleness=2,
                         task="copy", seed=seed, checkpoint_every=20, broadcast="pipelined",
-                        listen_port=free_port(), task_deadline_s=10.0)
+                        listen_port=free_port(), data_port=free_port(), task_deadline_s=10.0, upload_limit_MBps=20.0)
         self.swarm = LocalSwarm(root, cfg, n_nodes, threads=threads)
         self.fz: Fuzz | None = None
         self.restarts: list[str] = []
