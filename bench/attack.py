@@ -144,7 +144,10 @@ def run_one(h: Harness, attack: Attack, seconds: float, baseline_s: float) -> di
     import trio
 
     if not h.heal():
-        h.wait_progress(90)  # the previous attack may have left the honest nodes waiting on its tasks
+        try:
+            h.wait_progress(90)  # the previous attack may have left the honest nodes waiting on its tasks
+        except (RuntimeError, TimeoutError):
+            h.heal(restart_nodes=True)
     r0, t0 = h.honest_rollouts(), time.monotonic()
     time.sleep(baseline_s)
     base = rate(r0, h.honest_rollouts(), time.monotonic() - t0)
@@ -168,7 +171,7 @@ def run_one(h: Harness, attack: Attack, seconds: float, baseline_s: float) -> di
             traceback.print_exc()
             effect, prevented = f"not measured: {type(exc).__name__}: {exc}", None
         ctx.end()
-        time.sleep(1.0)  # a host that is dying at the end of the window gets a moment to show it
+        time.sleep(3.0)  # a host that is dying at the end of the window gets a moment to show it
     dead = h.dead()
     after = h.refusals()
     w = Window(
@@ -208,7 +211,8 @@ def attack_swarm(root: Path, ids: list[str], seconds: float, baseline_s: float, 
     finally:
         h.stop()
     return {"rows": rows, "summary": summary(rows), "seconds": round(time.monotonic() - t0, 1),
-            "attack_seconds": seconds, "baseline_seconds": baseline_s, "restarts": h.restarts, "dir": str(root)}
+            "attack_seconds": seconds, "baseline_seconds": baseline_s, "restarts": h.restarts, "dir": str(root),
+            "rebuilt_swarms": h.rebuilds}
 
 
 def run(args: argparse.Namespace) -> int:

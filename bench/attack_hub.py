@@ -29,7 +29,7 @@ def _node_busy_lines(ctx: Ctx) -> int:
 
 
 async def a1_inflight_reserve(ctx: Ctx) -> Effect:
-    """Eight streams announce 64 MiB bodies, then trickle a byte every 2 s; each is reopened every
+    """Ten streams announce 64 MiB bodies, then trickle a byte every 2 s; each is reopened every
     30 s (or when the hub drops it). Effect: honest requests answered ``busy``."""
     from libp2p.custom_types import TProtocol
     from libp2p.peer.id import ID
@@ -79,12 +79,14 @@ async def a1_inflight_reserve(ctx: Ctx) -> Effect:
     probe = HonestProbe(fz.hub_addr)
     async with trio.open_nursery() as n:
         with attacker_source():
-            for _ in range(4):  # four throwaway identities, two streams each
+            # five throwaway identities, two streams each: eight fill the budget exactly, two more
+            # keep it full while one is being reopened
+            for _ in range(5):
                 host = await n.start(_host_task)
                 for _ in range(2):
                     n.start_soon(holder, host)
         with trio.move_on_after(5):
-            while open_now[0] < 8:
+            while open_now[0] < 10:
                 await trio.sleep(0.1)
         n.start_soon(probe.run)
         await ctx.window()
