@@ -278,7 +278,7 @@ class PlanListener:
 async def a9_dataplane_exhaust(ctx: Ctx) -> Effect:
     """Admitted throwaway keys: one opens many connections to the hub's data plane asking for
     every chunk in full and never reads; another, a leaf of the hub's plan, reports its planned
-    parent (honest node 0) for a corrupt chunk it never sent. Effect: node 0 demoted (its
+    parent (an honest node) for a corrupt chunk it never sent. Effect: that node demoted (its
     reputation, and whether later plans still give it children) and the hub's memory."""
     from echo2.bench.attack_node import held_manifest
     from echo2.protocol import envelope, wire
@@ -291,11 +291,12 @@ async def a9_dataplane_exhaust(ctx: Ctx) -> Effect:
     if got is None:
         return "not measured: node 0 holds no complete version", None
     m, _hub = got
-    victim = fz.node_peers[0]
+    honest = list(fz.node_peers)
+    victim = [honest[0]]  # the honest node the plan makes the accuser's parent (node 0 until then)
     stats: Counter[str] = Counter()
     assert h.swarm.hub is not None
     peak = RssPeak(h.swarm.hub.pid)
-    before = _node_entry(h.status(), victim)
+    status0 = h.status()
     # a leaf that needs every version (it claims to hold none), so the plans give it parents
     accuser = Claimer(ctx, 1.0, 0.0, dict(upload_MBps=0.0, reachable=False), hold_versions=False)
     plans = PlanListener(ctx, accuser, "", 0.0)
@@ -329,16 +330,16 @@ async def a9_dataplane_exhaust(ctx: Ctx) -> Effect:
                 for c in conns:
                     await c.abort()
 
-    def victim_parent_of_me() -> tuple[int, int] | None:
-        """(version, chunk index) of a chunk the plan made the victim our parent for."""
+    def victim_parent_of_me() -> tuple[int, int, str] | None:
+        """(version, chunk index, parent) of a chunk the plan made an honest node our parent for."""
         for v in sorted(plans.plans, reverse=True):
             plan, man = plans.plans[v], plans.manifests.get(v)
             mine = plan.parents.get(accuser.peer)
             if man is None or not mine:
                 continue
             for c in man.chunks:
-                if mine[c.index % plan.stripes] == victim:
-                    return v, c.index
+                if mine[c.index % plan.stripes] in honest:
+                    return v, c.index, mine[c.index % plan.stripes]
         return None
 
     async def accuse() -> None:
@@ -347,9 +348,9 @@ async def a9_dataplane_exhaust(ctx: Ctx) -> Effect:
             if target is None:
                 await trio.sleep(0.2)
                 continue
-            v, idx = target
-            stats["victim_children_before"] = plans.children_of(victim, plans.plans[v])
-            rep = RelayReport(peer_id=accuser.peer, accused=victim, version=v, index=idx,
+            v, idx, victim[0] = target
+            stats["victim_children_before"] = plans.children_of(victim[0], plans.plans[v])
+            rep = RelayReport(peer_id=accuser.peer, accused=victim[0], version=v, index=idx,
                               expected_hash=plans.manifests[v].chunks[idx].enc_hash, got_hash=os.urandom(32))
             try:
                 await accuser.host.request(fz.hub_addr, wire.REPORT, envelope.seal(accuser.host.identity, rep),
@@ -376,8 +377,8 @@ async def a9_dataplane_exhaust(ctx: Ctx) -> Effect:
         await trio.sleep(ctx.seconds)
         ctx.end()
         n.cancel_scope.cancel()
-    after = _node_entry(h.status(), victim)
-    later = [plans.children_of(victim, p) for v, p in plans.plans.items() if v > stats.get("reported_at_version", 1 << 62)]
+    before, after = _node_entry(status0, victim[0]), _node_entry(h.status(), victim[0])
+    later = [plans.children_of(victim[0], p) for v, p in plans.plans.items() if v > stats.get("reported_at_version", 1 << 62)]
     rep0, rep1 = float(before.get("reputation", 1.0) or 0.0), float(after.get("reputation", 0.0) or 0.0)
     lost_children = stats["victim_children_before"] > 0 and bool(later) and max(later) == 0
     demoted = (not after) or rep1 < rep0 - 1e-6 or lost_children
@@ -388,7 +389,7 @@ async def a9_dataplane_exhaust(ctx: Ctx) -> Effect:
         "attacker": dict(stats), "accuser": dict(accuser.seen), "plans": dict(plans.stats),
     }
     if not stats["reports_accepted"] and not any(k.startswith("report:") for k in stats):
-        effect["note"] = "no plan made node 0 the accuser's parent within the window: the accusation was not tried"
+        effect["note"] = "no plan made an honest node the accuser's parent within the window: the accusation was not tried"
         return effect, None if peak.peak <= 64 else False
     return effect, not demoted and peak.peak <= 64
 

@@ -98,14 +98,26 @@ async def a4_open_dataplane(ctx: Ctx) -> Effect:
 # --- a hostile hub --------------------------------------------------------------------------------
 
 
+def _peek_store(ctx: Ctx, i: int) -> Any:
+    """Node ``i``'s chunk store, read beside the running node: opening a ChunkStore clears its
+    stray temporary files, which a live node may be writing (a hostile hub knows its versions
+    anyway; reading them here is only the shortest way to them)."""
+    from echo2.node.chunkstore import ChunkStore
+
+    class _Peek(ChunkStore):
+        def _remove_stray_tmp(self) -> int:
+            return 0
+
+    return _Peek(ctx.h.root / f"node{i}" / "store", fsync=False)
+
+
 def held_manifest(ctx: Ctx, i: int) -> tuple[Any, Any] | None:
     """(Manifest, hub identity): the newest version node ``i`` stored, and the hub's key."""
     from echo2.keyfile import load_identity
-    from echo2.node.chunkstore import ChunkStore
     from echo2.protocol import envelope
     from echo2.protocol.messages import Manifest
 
-    store = ChunkStore(ctx.h.root / f"node{i}" / "store", fsync=False)
+    store = _peek_store(ctx, i)
     for v in sorted(store.versions(), reverse=True):
         raw = store.manifest_envelope(v)
         if raw is None:
@@ -129,7 +141,6 @@ def hostile_version(ctx: Ctx, i: int, model_config: str) -> tuple[int, Any, byte
     changed (so that one chunk must travel, and the version completes in the node's store worker
     as a real one does) under ``model_config``. (version, hub identity, manifest envelope, the
     CHUNK frame payload)."""
-    from echo2.node.chunkstore import ChunkStore
     from echo2.protocol import envelope, packing
     from echo2.protocol.hashing import digest
     from echo2.protocol.wire import ENC_MANIFEST, pack_chunk_frame
@@ -138,7 +149,7 @@ def hostile_version(ctx: Ctx, i: int, model_config: str) -> tuple[int, Any, byte
     if got is None:
         return None
     m, hub = got
-    raws = ChunkStore(ctx.h.root / f"node{i}" / "store", fsync=False).load_raw_chunks(m)
+    raws = _peek_store(ctx, i).load_raw_chunks(m)
     raw = bytearray(raws[-1])
     raw[-1] ^= 1
     enc = packing.encode_chunk(raw)
@@ -160,8 +171,7 @@ async def send_as_hub(ctx: Ctx, i: int, hub_ident: Any, payload: bytes, linger_s
         return f"refused:{getattr(exc, 'reason', getattr(exc, 'code', type(exc).__name__))}"
     try:
         await conn.send_message(payload)
-        if chunk is not None:
-            await trio.sleep(0.5)
+        if chunk is not None:  # at once: the hub's next real version would supersede ours
             await conn.send_chunk(chunk)
         with trio.move_on_after(linger_s):
             while True:
@@ -186,7 +196,7 @@ async def a7_hostile_hub(ctx: Ctx) -> Effect:
     hv = hostile_version(ctx, 0, json.dumps(cfg, sort_keys=True))
     if hv is None:
         return "not measured: node 0 holds no complete version", None
-    _version, hub, payload, chunk = hv
+    version, hub, payload, chunk = hv
     proc = ctx.h.swarm.nodes[0]
     peak = RssPeak(proc.pid)
     async with trio.open_nursery() as n:
@@ -198,13 +208,16 @@ async def a7_hostile_hub(ctx: Ctx) -> Effect:
         n.cancel_scope.cancel()
     alive = proc.poll() is None
     log = ctx.node_log_since(0)
+    taken = re.search(rf"version {version}\b", log) is not None  # the node took the hostile version up
     effect = {
         "node_survived": alive, "exit_code": proc.returncode, "sent": sent,
         "claimed_model_params": _params(cfg), "node_rss_peak_growth_mib": round(peak.peak, 1),
         "node_refused_lines": codes(log, "refus", "does not fit", "too large", "memory"),
-        "node_said": _tail_lines(log, r"Error|refus|memory|fit", 3),
+        "node_said": _tail_lines(log, r"Error|refus|memory|fit", 3), "hostile_version_taken_up": taken,
     }
-    return effect, alive and sent.startswith("sent")
+    if not sent.startswith("sent") or not (taken or effect["node_refused_lines"]):
+        return effect, None if alive else False  # the attack did not reach the node's checks
+    return effect, alive
 
 
 def _params(cfg: dict[str, Any]) -> int:
