@@ -29,7 +29,7 @@ def _node_busy_lines(ctx: Ctx) -> int:
 
 
 async def a1_inflight_reserve(ctx: Ctx) -> Effect:
-    """Ten streams announce 64 MiB bodies, then trickle a byte every 2 s; each is reopened every
+    """Twelve streams announce 64 MiB bodies, then trickle a byte every 2 s; each is reopened every
     30 s (or when the hub drops it). Effect: honest requests answered ``busy``."""
     from libp2p.custom_types import TProtocol
     from libp2p.peer.id import ID
@@ -57,6 +57,13 @@ async def a1_inflight_reserve(ctx: Ctx) -> Effect:
                 continue
             try:
                 await stream.write(struct.pack(">I", wire.MAX_RESULT))
+                reply = b""
+                with trio.move_on_after(0.5):  # a refusal (e.g. busy) comes back at once
+                    reply = await stream.read(256)
+                if reply:
+                    stats["stream_refused"] += 1
+                    await trio.sleep(0.2)
+                    continue
                 stats["streams_opened"] += 1
                 open_now[0] += 1
                 try:
@@ -79,14 +86,14 @@ async def a1_inflight_reserve(ctx: Ctx) -> Effect:
     probe = HonestProbe(fz.hub_addr)
     async with trio.open_nursery() as n:
         with attacker_source():
-            # five throwaway identities, two streams each: eight fill the budget exactly, two more
-            # keep it full while one is being reopened
-            for _ in range(5):
+            # six throwaway identities, two streams each: eight fill the budget exactly, the others
+            # retry until they hold a reservation and keep it full while one is being reopened
+            for _ in range(6):
                 host = await n.start(_host_task)
                 for _ in range(2):
                     n.start_soon(holder, host)
         with trio.move_on_after(5):
-            while open_now[0] < 10:
+            while open_now[0] < 12:
                 await trio.sleep(0.1)
         n.start_soon(probe.run)
         await ctx.window()

@@ -208,7 +208,8 @@ async def a7_hostile_hub(ctx: Ctx) -> Effect:
         n.cancel_scope.cancel()
     alive = proc.poll() is None
     log = ctx.node_log_since(0)
-    taken = re.search(rf"version {version}\b", log) is not None  # the node took the hostile version up
+    # the version completed, so the node went on to load it (or refused it, after a fix)
+    taken = re.search(rf"holds version {version} verified", log) is not None
     effect = {
         "node_survived": alive, "exit_code": proc.returncode, "sent": sent,
         "claimed_model_params": _params(cfg), "node_rss_peak_growth_mib": round(peak.peak, 1),
