@@ -54,13 +54,13 @@ async def a5_forged_rows(ctx: Ctx) -> Effect:
         ready = False
         with trio.move_on_after(90):
             while not ready:
-                rep = read_json(d / "liar.json") or {}
-                ready = any(k.startswith("honest_results") for k in rep)
+                # from its admission on: its first results (honest, then forged) come seconds later
+                ready = bool((read_json(d / "node.state.json") or {}).get("admitted"))
                 if proc.poll() is not None:
                     return f"not measured: the liar exited ({proc.returncode}); see {d / 'node.log'}", None
                 await trio.sleep(0.5)
         if not ready:
-            return "not measured: the liar got no task within 90 s", None
+            return "not measured: the liar was not admitted within 90 s", None
         peer = str((read_json(d / "liar.json") or {}).get("peer_id", ""))
         st0 = h.status()
         rep0 = read_json(d / "liar.json") or {}
