@@ -143,7 +143,11 @@ class _Sampler:
 def run_one(h: Harness, attack: Attack, seconds: float, baseline_s: float) -> dict[str, Any]:
     import trio
 
-    h.heal()
+    if not h.heal():
+        try:
+            h.wait_progress(90)  # the previous attack may have left the honest nodes waiting on its tasks
+        except (RuntimeError, TimeoutError):
+            h.heal(restart_nodes=True)
     r0, t0 = h.honest_rollouts(), time.monotonic()
     time.sleep(baseline_s)
     base = rate(r0, h.honest_rollouts(), time.monotonic() - t0)
@@ -162,9 +166,12 @@ def run_one(h: Harness, attack: Attack, seconds: float, baseline_s: float) -> di
         try:
             effect, prevented = trio.run(main)
         except Exception as exc:  # a bug of the bench, not of the target: the row says so
+            import traceback
+
+            traceback.print_exc()
             effect, prevented = f"not measured: {type(exc).__name__}: {exc}", None
         ctx.end()
-        time.sleep(1.0)  # a host that is dying at the end of the window gets a moment to show it
+        time.sleep(3.0)  # a host that is dying at the end of the window gets a moment to show it
     dead = h.dead()
     after = h.refusals()
     w = Window(
@@ -204,7 +211,8 @@ def attack_swarm(root: Path, ids: list[str], seconds: float, baseline_s: float, 
     finally:
         h.stop()
     return {"rows": rows, "summary": summary(rows), "seconds": round(time.monotonic() - t0, 1),
-            "attack_seconds": seconds, "baseline_seconds": baseline_s, "restarts": h.restarts, "dir": str(root)}
+            "attack_seconds": seconds, "baseline_seconds": baseline_s, "restarts": h.restarts, "dir": str(root),
+            "rebuilt_swarms": h.rebuilds}
 
 
 def run(args: argparse.Namespace) -> int:
@@ -213,9 +221,9 @@ def run(args: argparse.Namespace) -> int:
 
     import logging
 
-    # the attackers' own hosts log every start and stop: only their warnings belong here
+    # the attackers' own hosts log every refusal they meet: the rows say it, not a log line each
     for name in ("echo2", "libp2p"):
-        logging.getLogger(name).setLevel(logging.WARNING)
+        logging.getLogger(name).setLevel(logging.ERROR)
     done: list[dict[str, Any]] = []
 
     def show(row: dict[str, Any]) -> None:

@@ -54,13 +54,13 @@ async def a5_forged_rows(ctx: Ctx) -> Effect:
         ready = False
         with trio.move_on_after(90):
             while not ready:
-                rep = read_json(d / "liar.json") or {}
-                ready = any(k.startswith("honest_results") for k in rep)
+                # from its admission on: its first results (honest, then forged) come seconds later
+                ready = bool((read_json(d / "node.state.json") or {}).get("admitted"))
                 if proc.poll() is not None:
                     return f"not measured: the liar exited ({proc.returncode}); see {d / 'node.log'}", None
                 await trio.sleep(0.5)
         if not ready:
-            return "not measured: the liar got no task within 90 s", None
+            return "not measured: the liar was not admitted within 90 s", None
         peer = str((read_json(d / "liar.json") or {}).get("peer_id", ""))
         st0 = h.status()
         rep0 = read_json(d / "liar.json") or {}
@@ -91,8 +91,8 @@ async def a5_forged_rows(ctx: Ctx) -> Effect:
     if not _counters(st1).keys() - {"spot_checks"}:
         effect["note"] = ("the hub publishes no count of rows dropped by verification before a step: a row it "
                           "accepted is counted as trained (needs e.g. status 'rows_failed_check_by_node')")
-    if forged == 0 and not rep1.get("forged_results_refused:") and not any(k.startswith("forged_results") for k in rep1):
-        return effect, None  # no forged result was even sent in the window
+    if effect["forged_rows_sent"] == 0:
+        return effect, None  # no forged result was sent in the window: nothing was prevented
     return effect, forged == 0
 
 
@@ -103,9 +103,11 @@ class Claimer:
     """An admitted node that claims a rate it does not have, reports holding every version
     (HoldsVersion is believed), polls for work and never answers it."""
 
-    def __init__(self, ctx: Ctx, claimed_rate: float, price: float, extra: dict[str, Any] | None = None) -> None:
+    def __init__(self, ctx: Ctx, claimed_rate: float, price: float, extra: dict[str, Any] | None = None,
+                 hold_versions: bool = True) -> None:
         self.ctx = ctx
         self.extra = extra or {}
+        self.hold_versions = hold_versions
         self.rate = claimed_rate
         self.price = price
         self.tasks = 0
@@ -124,12 +126,17 @@ class Claimer:
         fz, h = self.ctx.fz, self.ctx.h
         ident = Identity.generate()
         self.peer = ident.peer_id
-        claims = dict(rollouts_per_s=self.rate, tokens_per_s=self.rate * 8, price_usd_per_hour=self.price,
+        claims = dict(rollouts_per_s=self.rate, tokens_per_s=min(self.rate * 8, 1e308), price_usd_per_hour=self.price,
                       upload_MBps=100.0, download_MBps=100.0)
         claims.update(self.extra)
         async with ControlHost(ident, dial_timeout_s=5) as host:
             self.host = host
-            d = await admit(host, fz.hub_addr, **claims)
+            try:
+                d = await admit(host, fz.hub_addr, **claims)
+            except Echo2Error as exc:
+                self.seen[f"refused:{getattr(exc, 'code', type(exc).__name__)}"] += 1
+                self.seen["refused"] += 1
+                return
             self.seen["admitted" if d.admitted else "refused"] += 1
             if not d.admitted:
                 return
@@ -148,12 +155,13 @@ class Claimer:
                         self.seen[f"reprice:{getattr(exc, 'code', type(exc).__name__)}"] += 1
                 latest = int(h.status().get("latest_version", 0) or 0)
                 try:
-                    if latest != held:
+                    if latest != held and self.hold_versions:
                         holds = HoldsVersion(peer_id=ident.peer_id, version=latest, seconds=0.1)
                         await host.request(fz.hub_addr, wire.HOLDS, envelope.seal(ident, holds), max_response=4096, timeout_s=10)
                         held = latest
                     seq += 1
-                    hb = Heartbeat(peer_id=ident.peer_id, seq=seq, versions_held=[held], busy_tasks=0, queue_free=8)
+                    hb = Heartbeat(peer_id=ident.peer_id, seq=seq, versions_held=[held] if held >= 0 else [], busy_tasks=0,
+                                   queue_free=8)
                     resp = await host.request(fz.hub_addr, wire.WORK, envelope.seal(ident, hb), max_response=wire.MAX_TASK,
                                               timeout_s=20)
                     v = envelope.open_envelope(resp, (Task, ErrorReply), replay=None)
@@ -172,19 +180,24 @@ async def _ignore(_peer: str, _data: bytes) -> None:
 
 
 async def a6_claims(ctx: Ctx) -> Effect:
-    """Two admitted liars: one claims 1e9 rollouts/s at 0.01 $/h and then re-announces 1e300 $/h,
-    the other claims 1e308. Effect: their share of the tasks issued, the amount billed to them."""
+    """Two admitted liars: one claims 1e9 rollouts/s for free (so it is active at once) and half
+    way re-announces a price of 1e300 $/h; the other claims 1e308. Effect: their share of the
+    tasks issued, the amount billed to them."""
     h = ctx.h
-    liars = [Claimer(ctx, 1e9, 0.01), Claimer(ctx, 1e308, 0.02)]
+    liars = [Claimer(ctx, 1e9, 0.0), Claimer(ctx, 1e308, 0.0)]
     async with trio.open_nursery() as n:
         with attacker_source():
             n.start_soon(liars[0].run, ctx.seconds / 2, 1e300)
-            n.start_soon(liars[1].run)
         with trio.move_on_after(20):
-            while not all(c.seen["admitted"] or c.seen["refused"] for c in liars):
+            while not (liars[0].seen["admitted"] or liars[0].seen["refused"]):
                 await trio.sleep(0.2)
         st0 = h.status()
-        await ctx.window()
+        ctx.begin()
+        await trio.sleep(ctx.seconds * 2 / 3)
+        with attacker_source():  # late: the overflow it may cause must not hide the first liar's share
+            n.start_soon(liars[1].run)
+        await trio.sleep(ctx.seconds / 3)
+        ctx.end()
         await trio.sleep(1.5)  # the ledger's next status write
         st1 = h.status()
         n.cancel_scope.cancel()
@@ -206,13 +219,67 @@ async def a6_claims(ctx: Ctx) -> Effect:
     return effect, share <= 0.5 and ok_bill
 
 
+# --- plans, as an admitted node's data link receives them ----------------------------------------
+
+
+class PlanListener:
+    """The data link to the hub of an admitted attacker (``claimer``): says hello with ``addr``
+    and ``up``, keeps the hub-signed plans and manifests it is sent."""
+
+    def __init__(self, ctx: Ctx, claimer: Claimer, addr: str, up: float) -> None:
+        self.ctx, self.claimer, self.addr, self.up = ctx, claimer, addr, up
+        self.plans: dict[int, Any] = {}
+        self.manifests: dict[int, Any] = {}
+        self.stats: Counter[str] = Counter()
+
+    def children_of(self, peer: str, plan: Any) -> int:
+        return sum(len(k) for k in plan.children.get(peer, []))
+
+    async def run(self) -> None:
+        from echo2.protocol import envelope, wire
+        from echo2.protocol.dataframe import FrameType
+        from echo2.protocol.errors import Echo2Error
+        from echo2.protocol.messages import BroadcastPlan, Manifest
+        from echo2.protocol.net.dataplane import connect
+
+        fz = self.ctx.fz
+        while True:
+            try:
+                conn = await connect(f"127.0.0.1:{fz.hub_data_port}", self.claimer.host.identity, fz.hub_peer, timeout_s=5)
+            except Echo2Error as exc:
+                self.stats[f"data_link:{getattr(exc, 'reason', getattr(exc, 'code', type(exc).__name__))}"] += 1
+                await trio.sleep(1.0)
+                continue
+            try:
+                await conn.send_request(wire.encode_request(wire.REQ_HELLO, addr=self.addr, up=self.up))
+                while True:
+                    f = await conn.receive()
+                    if f.type is not FrameType.MESSAGE:
+                        continue
+                    msg = envelope.open_envelope(bytes(f.payload), (BroadcastPlan, Manifest), replay=None).message
+                    if isinstance(msg, BroadcastPlan):
+                        self.stats["plans"] += 1
+                        self.plans[msg.version] = msg
+                        kids = self.children_of(self.claimer.peer, msg)
+                        if kids:
+                            self.stats["planned_as_parent"] += 1
+                            self.stats["children"] += kids
+                    else:
+                        self.manifests[msg.version] = msg
+            except Exception as exc:
+                self.stats[f"data_link_ended:{getattr(exc, 'code', type(exc).__name__)}"] += 1
+            finally:
+                await conn.abort()
+
+
 # --- A9 -------------------------------------------------------------------------------------------
 
 
 async def a9_dataplane_exhaust(ctx: Ctx) -> Effect:
     """Admitted throwaway keys: one opens many connections to the hub's data plane asking for
-    every chunk in full and never reads; six report node 0 for a corrupt chunk it never sent.
-    Effect: node 0 demoted (reputation, state) and the hub's memory."""
+    every chunk in full and never reads; another, a leaf of the hub's plan, reports its planned
+    parent (an honest node) for a corrupt chunk it never sent. Effect: that node demoted (its
+    reputation, and whether later plans still give it children) and the hub's memory."""
     from echo2.bench.attack_node import held_manifest
     from echo2.protocol import envelope, wire
     from echo2.protocol.errors import Echo2Error
@@ -224,11 +291,15 @@ async def a9_dataplane_exhaust(ctx: Ctx) -> Effect:
     if got is None:
         return "not measured: node 0 holds no complete version", None
     m, _hub = got
-    victim = fz.node_peers[0]
+    honest = list(fz.node_peers)
+    victim = [honest[0]]  # the honest node the plan makes the accuser's parent (node 0 until then)
     stats: Counter[str] = Counter()
     assert h.swarm.hub is not None
     peak = RssPeak(h.swarm.hub.pid)
-    before = _node_entry(h.status(), victim)
+    status0 = h.status()
+    # a leaf that needs every version (it claims to hold none), so the plans give it parents
+    accuser = Claimer(ctx, 1.0, 0.0, dict(upload_MBps=0.0, reachable=False), hold_versions=False)
+    plans = PlanListener(ctx, accuser, "", 0.0)
 
     async def exhaust(task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
         from echo2.bench.attack_common import control_host
@@ -259,41 +330,67 @@ async def a9_dataplane_exhaust(ctx: Ctx) -> Effect:
                 for c in conns:
                     await c.abort()
 
-    async def accuse(task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
-        from echo2.bench.attack_common import control_host
+    def victim_parent_of_me() -> tuple[int, int, str] | None:
+        """(version, chunk index, parent) of a chunk the plan made an honest node our parent for."""
+        for v in sorted(plans.plans, reverse=True):
+            plan, man = plans.plans[v], plans.manifests.get(v)
+            mine = plan.parents.get(accuser.peer)
+            if man is None or not mine:
+                continue
+            for c in man.chunks:
+                if mine[c.index % plan.stripes] in honest:
+                    return v, c.index, mine[c.index % plan.stripes]
+        return None
 
-        task_status.started()
-        for k in range(6):
-            async with control_host() as host:
-                try:
-                    d = await admit(host, fz.hub_addr)
-                    if not d.admitted:
-                        stats["accuser_refused"] += 1
-                        continue
-                    rep = RelayReport(peer_id=host.identity.peer_id, accused=victim, version=m.version, index=k % len(m.chunks),
-                                      expected_hash=m.chunks[k % len(m.chunks)].enc_hash, got_hash=os.urandom(32))
-                    await host.request(fz.hub_addr, wire.REPORT, envelope.seal(host.identity, rep), max_response=4096, timeout_s=10)
-                    stats["reports_accepted"] += 1
-                except Echo2Error as exc:
-                    stats[f"report:{getattr(exc, 'code', type(exc).__name__)}"] += 1
+    async def accuse() -> None:
+        while True:
+            target = victim_parent_of_me()
+            if target is None:
+                await trio.sleep(0.2)
+                continue
+            v, idx, victim[0] = target
+            stats["victim_children_before"] = plans.children_of(victim[0], plans.plans[v])
+            rep = RelayReport(peer_id=accuser.peer, accused=victim[0], version=v, index=idx,
+                              expected_hash=plans.manifests[v].chunks[idx].enc_hash, got_hash=os.urandom(32))
+            try:
+                await accuser.host.request(fz.hub_addr, wire.REPORT, envelope.seal(accuser.host.identity, rep),
+                                           max_response=4096, timeout_s=10)
+                stats["reports_accepted"] += 1
+            except Echo2Error as exc:
+                stats[f"report:{getattr(exc, 'code', type(exc).__name__)}"] += 1
+            stats["reported_at_version"] = v
+            return
 
     async with trio.open_nursery() as n:
         n.start_soon(peak.run)
+        with attacker_source():
+            n.start_soon(accuser.run)
+        with trio.move_on_after(20):
+            while accuser.host is None or not (accuser.seen["admitted"] or accuser.seen["refused"]):
+                await trio.sleep(0.2)
         ctx.begin()
         with attacker_source():
+            if accuser.seen["admitted"]:
+                n.start_soon(plans.run)
+                n.start_soon(accuse)
             await n.start(exhaust)
-            await n.start(accuse)
         await trio.sleep(ctx.seconds)
         ctx.end()
         n.cancel_scope.cancel()
-    after = _node_entry(h.status(), victim)
+    before, after = _node_entry(status0, victim[0]), _node_entry(h.status(), victim[0])
+    later = [plans.children_of(victim[0], p) for v, p in plans.plans.items() if v > stats.get("reported_at_version", 1 << 62)]
     rep0, rep1 = float(before.get("reputation", 1.0) or 0.0), float(after.get("reputation", 0.0) or 0.0)
-    demoted = (not after) or rep1 < rep0 - 1e-6 or after.get("state") != before.get("state") and after.get("state") not in ("active",)
+    lost_children = stats["victim_children_before"] > 0 and bool(later) and max(later) == 0
+    demoted = (not after) or rep1 < rep0 - 1e-6 or lost_children
     effect = {
         "honest_parent_demoted": demoted, "victim_before": {k: before.get(k) for k in ("reputation", "state")},
         "victim_after": {k: after.get(k) for k in ("reputation", "state")} if after else "gone from the fleet",
-        "hub_rss_peak_growth_mib": round(peak.peak, 1), "attacker": dict(stats),
+        "victim_children_in_later_plans": later[-5:], "hub_rss_peak_growth_mib": round(peak.peak, 1),
+        "attacker": dict(stats), "accuser": dict(accuser.seen), "plans": dict(plans.stats),
     }
+    if not stats["reports_accepted"] and not any(k.startswith("report:") for k in stats):
+        effect["note"] = "no plan made an honest node the accuser's parent within the window: the accusation was not tried"
+        return effect, None if peak.peak <= 64 else False
     return effect, not demoted and peak.peak <= 64
 
 
@@ -303,61 +400,26 @@ async def a9_dataplane_exhaust(ctx: Ctx) -> Effect:
 async def a10_announced_address(ctx: Ctx) -> Effect:
     """An admitted node announcing data_addr 0.0.0.0, reachable, a 1e6 MB/s upload, holding every
     version; it reads the hub-signed broadcast plans sent to it. Effect: planned as a parent."""
-    from echo2.protocol import envelope, wire
-    from echo2.protocol.dataframe import FrameType
-    from echo2.protocol.errors import Echo2Error
-    from echo2.protocol.messages import BroadcastPlan, Manifest
-    from echo2.protocol.net.dataplane import connect
-
-    fz = ctx.fz
     claims: dict[str, Any] = dict(data_addr="0.0.0.0:9", reachable=True, upload_MBps=1e6, max_upload_MBps=0.0)
     liar = Claimer(ctx, 1.0, 0.0, claims)
-    stats: Counter[str] = Counter()
-    me = [""]
-
-    async def listen_plans(host: Any) -> None:
-        while True:
-            try:
-                conn = await connect(f"127.0.0.1:{fz.hub_data_port}", host.identity, fz.hub_peer, timeout_s=5)
-            except Echo2Error as exc:
-                stats[f"data_link:{getattr(exc, 'reason', getattr(exc, 'code', type(exc).__name__))}"] += 1
-                await trio.sleep(1.0)
-                continue
-            try:
-                await conn.send_request(wire.encode_request(wire.REQ_HELLO, addr="0.0.0.0:9", up=1e6))
-                while True:
-                    f = await conn.receive()
-                    if f.type is not FrameType.MESSAGE:
-                        continue
-                    msg = envelope.open_envelope(bytes(f.payload), (BroadcastPlan, Manifest), replay=None).message
-                    if isinstance(msg, BroadcastPlan):
-                        stats["plans"] += 1
-                        kids = msg.children.get(me[0], [])
-                        if any(kids):
-                            stats["planned_as_parent"] += 1
-                            stats["children"] += sum(len(k) for k in kids)
-            except Exception as exc:
-                stats[f"data_link_ended:{getattr(exc, 'code', type(exc).__name__)}"] += 1
-            finally:
-                await conn.abort()
-
+    plans = PlanListener(ctx, liar, "0.0.0.0:9", 1e6)
     async with trio.open_nursery() as n:
         with attacker_source():
             n.start_soon(liar.run)
         with trio.move_on_after(20):
-            while liar.host is None or not liar.seen["admitted"]:
+            while liar.host is None or not (liar.seen["admitted"] or liar.seen["refused"]):
                 await trio.sleep(0.2)
-        if liar.host is None or not liar.seen["admitted"]:
+        if not liar.seen["admitted"]:
             n.cancel_scope.cancel()
             return {"admission": dict(liar.seen)}, True
-        me[0] = liar.peer
         with attacker_source():
-            n.start_soon(listen_plans, liar.host)
+            n.start_soon(plans.run)
         await ctx.window()
         n.cancel_scope.cancel()
-    effect = {"planned_as_parent": stats["planned_as_parent"], "plans_seen": stats["plans"], "children_given": stats["children"],
-              "link": dict(stats), "liar": dict(liar.seen), "liar_tasks": liar.tasks}
-    if stats["plans"] == 0:
+    st = plans.stats
+    effect = {"planned_as_parent": st["planned_as_parent"], "plans_seen": st["plans"], "children_given": st["children"],
+              "link": dict(st), "liar": dict(liar.seen), "liar_tasks": liar.tasks}
+    if st["plans"] == 0:
         effect["note"] = "no broadcast plan reached the liar in the window"
         return effect, None
-    return effect, stats["planned_as_parent"] == 0
+    return effect, st["planned_as_parent"] == 0

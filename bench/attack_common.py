@@ -74,8 +74,11 @@ class HonestProbe:
                 self.outcomes["timeout"] += 1
             except Echo2Error as exc:
                 self.outcomes[str(getattr(exc, "code", type(exc).__name__))] += 1
-            except Exception as exc:
-                self.outcomes[type(exc).__name__] += 1
+            except Exception as exc:  # a host's errors come out of its nursery wrapped
+                from echo2.protocol.net.libp2p_host import find_echo2_error
+
+                ours = find_echo2_error(exc)
+                self.outcomes[str(getattr(ours, "code", type(ours).__name__)) if ours else type(exc).__name__] += 1
             self.latencies.append(round(time.monotonic() - t0, 3))
             await trio.sleep(max(0.0, self.every_s - (time.monotonic() - t0)))
 

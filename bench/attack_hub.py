@@ -29,7 +29,7 @@ def _node_busy_lines(ctx: Ctx) -> int:
 
 
 async def a1_inflight_reserve(ctx: Ctx) -> Effect:
-    """Eight streams announce 64 MiB bodies, then trickle a byte every 2 s; each is reopened every
+    """Twelve streams announce 64 MiB bodies, then trickle a byte every 2 s; each is reopened every
     30 s (or when the hub drops it). Effect: honest requests answered ``busy``."""
     from libp2p.custom_types import TProtocol
     from libp2p.peer.id import ID
@@ -57,6 +57,13 @@ async def a1_inflight_reserve(ctx: Ctx) -> Effect:
                 continue
             try:
                 await stream.write(struct.pack(">I", wire.MAX_RESULT))
+                reply = b""
+                with trio.move_on_after(0.5):  # a refusal (e.g. busy) comes back at once
+                    reply = await stream.read(256)
+                if reply:
+                    stats["stream_refused"] += 1
+                    await trio.sleep(0.2)
+                    continue
                 stats["streams_opened"] += 1
                 open_now[0] += 1
                 try:
@@ -79,12 +86,14 @@ async def a1_inflight_reserve(ctx: Ctx) -> Effect:
     probe = HonestProbe(fz.hub_addr)
     async with trio.open_nursery() as n:
         with attacker_source():
-            for _ in range(4):  # four throwaway identities, two streams each
+            # six throwaway identities, two streams each: eight fill the budget exactly, the others
+            # retry until they hold a reservation and keep it full while one is being reopened
+            for _ in range(6):
                 host = await n.start(_host_task)
                 for _ in range(2):
                     n.start_soon(holder, host)
         with trio.move_on_after(5):
-            while open_now[0] < 8:
+            while open_now[0] < 12:
                 await trio.sleep(0.1)
         n.start_soon(probe.run)
         await ctx.window()
@@ -94,6 +103,8 @@ async def a1_inflight_reserve(ctx: Ctx) -> Effect:
         "honest_admissions_busy": probe.outcomes["busy"], "honest_admissions": dict(probe.outcomes),
         "honest_node_busy_lines": busy_lines, "attacker": dict(stats),
     }
+    if stats["streams_opened"] == 0:
+        return effect, None  # the attack never got going: nothing was measured as prevented
     return effect, probe.outcomes["busy"] == 0 and busy_lines == 0 and probe.outcomes["admitted"] > 0
 
 
@@ -107,17 +118,17 @@ async def _host_task(task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
 
 
 def bad_signature_result(ident: Any, target_bytes: int) -> bytes:
-    """A well-formed Result envelope of about ``target_bytes`` whose signature is wrong."""
+    """An envelope of about ``target_bytes`` for the result protocol whose signature is wrong and
+    whose payload is millions of empty maps: cheap to send, dear to decode (a verifier that
+    checks the signature over the raw bytes first never decodes it)."""
     from echo2.protocol import canonical, envelope
-    from echo2.protocol.messages import Completion, Result
+    from echo2.protocol.messages import Result
 
-    per = 4000
-    n = max(1, target_bytes // (per * 11))
-    comps = [Completion(prompt_index=0, token_ids=[7] * per, logprobs=[-0.125] * per, finish_reason="length")
-             for _ in range(n)]
-    res = Result(task_id="t-attack", task_hash=os.urandom(32), node_id=ident.peer_id, version=0, completions=comps,
-                 started_at=time.time(), gen_seconds=1.0, tokens=n * per)
+    res = Result(task_id="t-attack", task_hash=os.urandom(32), node_id=ident.peer_id, version=0, completions=[],
+                 started_at=time.time(), gen_seconds=1.0, tokens=0)
     env = canonical.decode(envelope.seal(ident, res, ttl_s=300), max_size=1 << 30)
+    env["d"] = "echo2/attack/1.0.0"
+    env["p"] = canonical.encode([{}] * max(1, target_bytes - 200))
     sig = bytearray(env["s"])
     sig[0] ^= 0xFF
     env["s"] = bytes(sig)
@@ -151,10 +162,12 @@ async def a2_decode_before_verify(ctx: Ctx) -> Effect:
     node_peak = RssPeak(h.swarm.nodes[0].pid)
     node0_lag0 = _node_lag(ctx, 0)
 
+    attacker = Identity.generate()
+    frame = await trio.to_thread.run_sync(bad_signature_result, attacker, 4_000_000)
+    sent["hub_frame_bytes"] = len(frame)
+
     async def hub_frames() -> None:
-        async with control_host() as host:
-            frame = bad_signature_result(host.identity, 4_000_000)
-            sent["hub_frame_bytes"] = len(frame)
+        async with control_host(attacker) as host:
             while True:
                 sent["hub_bad_signature_frames"] += 1
                 try:
@@ -164,8 +177,9 @@ async def a2_decode_before_verify(ctx: Ctx) -> Effect:
                     saw[f"hub:{getattr(exc, 'code', type(exc).__name__)}"] += 1
                 await trio.sleep(0.5)
 
+    payloads = await trio.to_thread.run_sync(big_requests)
+
     async def node_frames() -> None:
-        payloads = big_requests()
         addr, peer = h.node_data_addrs[0], fz.node_peers[0]
         while True:
             try:
@@ -203,7 +217,9 @@ async def a2_decode_before_verify(ctx: Ctx) -> Effect:
     }
     grew_lag = node_lag is not None and node_lag > max(1000.0, node0_lag0 or 0.0)
     prevented = (hub_peak.peak <= 64 and node_peak.peak <= 64 and resp.max_ms() < 1000 and resp.failures == 0
-                 and not grew_lag and sent["hub_bad_signature_frames"] > 0)
+                 and not grew_lag)
+    if sum(v for k, v in saw.items() if k.startswith("hub:")) == 0:
+        return effect, None if resp.max_ms() < 1000 else False  # no frame was answered within the window
     return effect, prevented
 
 

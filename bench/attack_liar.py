@@ -1,7 +1,7 @@
 """A5's attacker: a real echo2 node (real engine, real keys) that forges its rows.
 
-Per policy version its first result is honest (what a spot check on the first sample sees);
-every later one carries forged behaviour log-probs (a near-certain -0.01 per token, so the
+Its first result is honest (what a spot check on the first sample sees); every later one
+carries forged behaviour log-probs (a near-certain -0.01 per token, so the
 importance ratio the learner computes is skewed) and a forged ``finish_reason`` ("stop", which
 the reward and the ledger may believe). What the hub answered to each is written to
 ``DIR/liar.json``. Run as ``python -m echo2.bench.attack_liar --hub ADDR --data-dir DIR``.
@@ -75,7 +75,7 @@ class LiarNode(Node):
     def __init__(self, cfg: NodeConfig) -> None:
         super().__init__(cfg)
         self.forging = False
-        self.versions_seen: set[int] = set()
+        self.results_sent = 0
         self.report: dict[str, Any] = {"peer_id": self.peer_id}
         self._save()
 
@@ -97,9 +97,10 @@ class LiarNode(Node):
         return await super()._admit(host)
 
     async def _run_task(self, host: ControlHost, task: Task) -> None:
-        version = int(self._engine.version)
-        self.forging = version in self.versions_seen  # the first result of each version is honest
-        self.versions_seen.add(version)
+        # honest first (what a spot check of the first sample sees), forged after; the hub steps
+        # so often that a node rarely runs two tasks on one version, so per version would be never
+        self.forging = self.results_sent > 0
+        self.results_sent += 1
         rows = len(task.prompts) * task.group_size
         try:
             await super()._run_task(_Host(host, self, rows), task)  # type: ignore[arg-type]

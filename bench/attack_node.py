@@ -98,14 +98,26 @@ async def a4_open_dataplane(ctx: Ctx) -> Effect:
 # --- a hostile hub --------------------------------------------------------------------------------
 
 
+def _peek_store(ctx: Ctx, i: int) -> Any:
+    """Node ``i``'s chunk store, read beside the running node: opening a ChunkStore clears its
+    stray temporary files, which a live node may be writing (a hostile hub knows its versions
+    anyway; reading them here is only the shortest way to them)."""
+    from echo2.node.chunkstore import ChunkStore
+
+    class _Peek(ChunkStore):
+        def _remove_stray_tmp(self) -> int:
+            return 0
+
+    return _Peek(ctx.h.root / f"node{i}" / "store", fsync=False)
+
+
 def held_manifest(ctx: Ctx, i: int) -> tuple[Any, Any] | None:
     """(Manifest, hub identity): the newest version node ``i`` stored, and the hub's key."""
     from echo2.keyfile import load_identity
-    from echo2.node.chunkstore import ChunkStore
     from echo2.protocol import envelope
     from echo2.protocol.messages import Manifest
 
-    store = ChunkStore(ctx.h.root / f"node{i}" / "store", fsync=False)
+    store = _peek_store(ctx, i)
     for v in sorted(store.versions(), reverse=True):
         raw = store.manifest_envelope(v)
         if raw is None:
@@ -124,8 +136,32 @@ def replace_msg(msg: Any, **changes: Any) -> Any:
     return msgspec.structs.replace(msg, **changes)
 
 
-async def send_as_hub(ctx: Ctx, i: int, hub_ident: Any, payload: bytes, linger_s: float) -> str:
-    """Open node ``i``'s data plane with the hub's key and send one MESSAGE frame."""
+def hostile_version(ctx: Ctx, i: int, model_config: str) -> tuple[int, Any, bytes, bytes] | None:
+    """A hub-signed version for node ``i``: its own weights with one byte of the last chunk
+    changed (so that one chunk must travel, and the version completes in the node's store worker
+    as a real one does) under ``model_config``. (version, hub identity, manifest envelope, the
+    CHUNK frame payload)."""
+    from echo2.protocol import envelope, packing
+    from echo2.protocol.hashing import digest
+    from echo2.protocol.wire import ENC_MANIFEST, pack_chunk_frame
+
+    got = held_manifest(ctx, i)
+    if got is None:
+        return None
+    m, hub = got
+    raws = _peek_store(ctx, i).load_raw_chunks(m)
+    raw = bytearray(raws[-1])
+    raw[-1] ^= 1
+    enc = packing.encode_chunk(raw)
+    last = replace_msg(m.chunks[-1], raw_hash=digest(raw), encoding="full", enc_size=len(enc), enc_hash=digest(enc),
+                       parent_raw_hash=None)
+    version = m.version + 1000
+    bad = replace_msg(m, version=version, created=time.time(), model_config=model_config, chunks=[*m.chunks[:-1], last])
+    return version, hub, envelope.seal(hub, bad), pack_chunk_frame(version, last.index, ENC_MANIFEST, enc)
+
+
+async def send_as_hub(ctx: Ctx, i: int, hub_ident: Any, payload: bytes, linger_s: float, chunk: bytes | None = None) -> str:
+    """Open node ``i``'s data plane with the hub's key and send one MESSAGE frame (and a chunk)."""
     from echo2.protocol.errors import Echo2Error
     from echo2.protocol.net.dataplane import connect
 
@@ -135,6 +171,8 @@ async def send_as_hub(ctx: Ctx, i: int, hub_ident: Any, payload: bytes, linger_s
         return f"refused:{getattr(exc, 'reason', getattr(exc, 'code', type(exc).__name__))}"
     try:
         await conn.send_message(payload)
+        if chunk is not None:  # at once: the hub's next real version would supersede ours
+            await conn.send_chunk(chunk)
         with trio.move_on_after(linger_s):
             while True:
                 await conn.receive()
@@ -149,34 +187,38 @@ async def a7_hostile_hub(ctx: Ctx) -> Effect:
     """A hub-signed version for node 0 whose model config needs far more memory than any machine
     has (the weights it names are the node's own, so the version completes at once and goes to
     the engine). Effect: the node process survived (and what it said)."""
-    from echo2.protocol import envelope
 
     got = held_manifest(ctx, 0)
     if got is None:
         return "not measured: node 0 holds no complete version", None
-    m, hub = got
-    cfg = json.loads(m.model_config)
+    cfg = json.loads(got[0].model_config)
     cfg.update(hidden_size=1 << 16, intermediate_size=1 << 18, num_hidden_layers=512, vocab_size=1 << 22)
-    bad = replace_msg(m, version=m.version + 1000, created=time.time(), model_config=json.dumps(cfg, sort_keys=True))
-    payload = envelope.seal(hub, bad)
+    hv = hostile_version(ctx, 0, json.dumps(cfg, sort_keys=True))
+    if hv is None:
+        return "not measured: node 0 holds no complete version", None
+    version, hub, payload, chunk = hv
     proc = ctx.h.swarm.nodes[0]
     peak = RssPeak(proc.pid)
     async with trio.open_nursery() as n:
         n.start_soon(peak.run)
         ctx.begin()
-        sent = await send_as_hub(ctx, 0, hub, payload, linger_s=2.0)
+        sent = await send_as_hub(ctx, 0, hub, payload, linger_s=2.0, chunk=chunk)
         await trio.sleep(max(0.0, ctx.seconds - 2.0))
         ctx.end()
         n.cancel_scope.cancel()
     alive = proc.poll() is None
     log = ctx.node_log_since(0)
+    # the version completed, so the node went on to load it (or refused it, after a fix)
+    taken = re.search(rf"holds version {version} verified", log) is not None
     effect = {
         "node_survived": alive, "exit_code": proc.returncode, "sent": sent,
         "claimed_model_params": _params(cfg), "node_rss_peak_growth_mib": round(peak.peak, 1),
         "node_refused_lines": codes(log, "refus", "does not fit", "too large", "memory"),
-        "node_said": _tail_lines(log, r"Error|refus|memory|fit", 3),
+        "node_said": _tail_lines(log, r"Error|refus|memory|fit", 3), "hostile_version_taken_up": taken,
     }
-    return effect, alive and sent.startswith("sent")
+    if not sent.startswith("sent") or not (taken or effect["node_refused_lines"]):
+        return effect, None if alive else False  # the attack did not reach the node's checks
+    return effect, alive
 
 
 def _params(cfg: dict[str, Any]) -> int:
@@ -194,24 +236,24 @@ async def a8_config_injection(ctx: Ctx) -> Effect:
     kernels-hub repository (transformers would fetch and run its code) and a key outside any
     allow-list. Effect: whether the setting reached the engine (node log: the version loaded or
     transformers acted on it) or was refused."""
-    from echo2.protocol import envelope
 
     got = held_manifest(ctx, 0)
     if got is None:
         return "not measured: node 0 holds no complete version", None
-    m, hub = got
     repo = "kernels-community/flash-attn"
-    cfg = json.loads(m.model_config)
+    cfg = json.loads(got[0].model_config)
     cfg.update(attn_implementation=repo, echo2_attack_unlisted_key=1)
-    version = m.version + 1000
-    bad = replace_msg(m, version=version, created=time.time(), model_config=json.dumps(cfg, sort_keys=True))
+    hv = hostile_version(ctx, 0, json.dumps(cfg, sort_keys=True))
+    if hv is None:
+        return "not measured: node 0 holds no complete version", None
+    version, hub, payload, chunk = hv
     proc = ctx.h.swarm.nodes[0]
     ctx.begin()
-    sent = await send_as_hub(ctx, 0, hub, envelope.seal(hub, bad), linger_s=2.0)
+    sent = await send_as_hub(ctx, 0, hub, payload, linger_s=2.0, chunk=chunk)
     await trio.sleep(max(0.0, ctx.seconds - 2.0))
     ctx.end()
     log = ctx.node_log_since(0)
-    loaded = re.search(rf"holds version {version}\b", log) is not None
+    loaded = re.search(rf"holds version {version} \(", log) is not None  # the engine loaded it
     refused = [line[-200:] for line in log.splitlines()
                if re.search(r"attn_implementation|echo2_attack_unlisted_key", line)
                and re.search(r"refus|not allowed|allow-list|allowlist|ignor|forbidden", line, re.I)]

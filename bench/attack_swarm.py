@@ -18,7 +18,6 @@ import contextlib
 import contextvars
 import re
 import socket
-import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -83,20 +82,37 @@ class Harness:
     """A hub and ``n_nodes`` honest nodes, kept running across attacks."""
 
     def __init__(self, root: Path, n_nodes: int = 2, seed: int = 0, threads: int = 1) -> None:
+        self.base = root
+        self.n_nodes = n_nodes
+        self.seed = seed
+        self.threads = threads
+        self.fz: Fuzz | None = None
+        self.restarts: list[str] = []
+        self.rebuilds = 0
+        self._new_swarm(root)
+
+    def _new_swarm(self, root: Path) -> None:
         from echo2.bench.swarm import LocalSwarm
         from echo2.learner_hub.config import HubConfig
 
         self.root = root
-        self.n_nodes = n_nodes
-        # pipelined: the planner chooses parents among the nodes (A10 needs a plan to be in);
-        # a fixed listen port: a restarted hub keeps the address the nodes dial
+        seed, n_nodes, threads = self.seed, self.n_nodes, self.threads
+        # pipelined, with a hub uplink (20 MB/s) too small to serve every node itself: the planner
+        # chooses parents among the nodes (A9 and A10 need a plan to be in);
+        # fixed control and data ports: a restarted hub keeps the addresses the nodes dial
         cfg = HubConfig(steps=1_000_000, prompts_per_step=4, group_size=4, max_new_tokens=4, staleness=2,
                         task="copy", seed=seed, checkpoint_every=20, broadcast="pipelined",
-                        listen_port=free_port(), task_deadline_s=10.0)
+                        listen_port=free_port(), data_port=free_port(), task_deadline_s=10.0, upload_limit_MBps=20.0)
         self.swarm = LocalSwarm(root, cfg, n_nodes, threads=threads)
-        self.fz: Fuzz | None = None
-        self.restarts: list[str] = []
-        self._rss_lock = threading.Lock()
+
+    def rebuild(self, timeout_s: float = 240.0) -> None:
+        """A new swarm (new hub directory and key, new nodes) beside the old one: for a hub an
+        attack left unable to start again (e.g. a poisoned database it resumes from)."""
+        self.swarm.stop()
+        self.rebuilds += 1
+        self._new_swarm(self.base / f"swarm{self.rebuilds}")
+        self.restarts.append("swarm")
+        self.start(timeout_s)
 
     # --- lifecycle ---------------------------------------------------------------------------
     def start(self, timeout_s: float = 240.0) -> None:
@@ -151,7 +167,11 @@ class Harness:
             return []
         if "hub" in redo:
             self.swarm.kill_hub()
-            self.swarm.start_hub()
+            try:
+                self.swarm.start_hub()
+            except (RuntimeError, TimeoutError):
+                self.rebuild()
+                return ["swarm"]
         for i in range(self.n_nodes):
             if f"node{i}" in redo:
                 self.swarm.kill_node(i)
@@ -162,7 +182,13 @@ class Harness:
                 self.swarm.nodes.pop()
                 self.swarm.nodes[i] = p
         self.restarts.extend(redo)
-        self.wait_progress(timeout_s)
+        try:
+            self.wait_progress(timeout_s)
+        except (RuntimeError, TimeoutError):
+            if "hub" not in redo:
+                raise
+            self.rebuild()
+            return ["swarm"]
         return redo
 
     # --- readings ----------------------------------------------------------------------------
