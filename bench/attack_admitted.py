@@ -4,6 +4,7 @@ attacker joins under throwaway keys and then lies: about its rows (a real node p
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import signal
@@ -11,6 +12,7 @@ import subprocess
 import sys
 import time
 from collections import Counter
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import trio
@@ -37,6 +39,23 @@ def _counters(status: dict[str, Any]) -> dict[str, Any]:
 
 
 # --- A5 -------------------------------------------------------------------------------------------
+
+
+def _trained_rows(db_path: Path, task_ids: list[str]) -> tuple[int, int]:
+    """(rows of these tasks a GRPO step trained, rows dropped unverified), from the hub's store
+    (read-only; WAL lets a reader look while the hub writes)."""
+    import sqlite3
+
+    if not task_ids or not db_path.exists():
+        return 0, 0
+    q = ",".join("?" * len(task_ids))
+    with contextlib.closing(sqlite3.connect(f"file:{db_path}?mode=ro", uri=True, timeout=10)) as db:
+        trained = db.execute(f"SELECT COALESCE(SUM(rollouts), 0) FROM results WHERE accepted = 1 AND trained_step IS NOT NULL"
+                             f" AND task_id IN ({q})", task_ids).fetchone()[0]
+        dropped = db.execute(f"SELECT COALESCE(SUM(rollouts), 0) FROM results WHERE accepted = 1 AND trained_step IS NULL"
+                             f" AND reason != 'accepted' AND task_id IN ({q})", task_ids).fetchone()[0]
+    return int(trained), int(dropped)
+
 
 
 async def a5_forged_rows(ctx: Ctx) -> Effect:
@@ -76,10 +95,15 @@ async def a5_forged_rows(ctx: Ctx) -> Effect:
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait(timeout=5)
-    forged = int(rep1.get("forged_rows_accepted", 0)) - int(rep0.get("forged_rows_accepted", 0))
+    # A forged result the hub acknowledged reached a gradient only if the store marks its task
+    # trained (a batch that fails verification is dropped before the step: reason 'mismatch').
+    new_ids = [t for t in rep1.get("forged_task_ids", []) if t not in set(rep0.get("forged_task_ids", []))]
+    forged, dropped = _trained_rows(h.root / "hub" / "hub.sqlite", new_ids)
     node1 = _node_entry(st1, peer)
     effect: dict[str, Any] = {
         "forged_rows_reached_training": forged,
+        "forged_rows_acknowledged": int(rep1.get("forged_rows_accepted", 0)) - int(rep0.get("forged_rows_accepted", 0)),
+        "forged_rows_dropped_by_verification": dropped,
         "forged_rows_sent": sum(int(v) for k, v in rep1.items() if k.startswith("forged_rows")) - sum(
             int(v) for k, v in rep0.items() if k.startswith("forged_rows")),
         "liar": {k: v for k, v in rep1.items() if k not in ("updated",)},
@@ -88,9 +112,6 @@ async def a5_forged_rows(ctx: Ctx) -> Effect:
         "spot_checks": (st0.get("spot_checks"), st1.get("spot_checks")),
         "hub_check_counters": _counters(st1),
     }
-    if not _counters(st1).keys() - {"spot_checks"}:
-        effect["note"] = ("the hub publishes no count of rows dropped by verification before a step: a row it "
-                          "accepted is counted as trained (needs e.g. status 'rows_failed_check_by_node')")
     if effect["forged_rows_sent"] == 0:
         return effect, None  # no forged result was sent in the window: nothing was prevented
     return effect, forged == 0

@@ -49,8 +49,8 @@ class _Engine:
 class _Host:
     """The node's real host; records the hub's answer to each result."""
 
-    def __init__(self, inner: ControlHost, node: LiarNode, rows: int) -> None:
-        self._inner, self._node, self._rows = inner, node, rows
+    def __init__(self, inner: ControlHost, node: LiarNode, rows: int, task_id: str) -> None:
+        self._inner, self._node, self._rows, self._task_id = inner, node, rows, task_id
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._inner, name)
@@ -61,6 +61,8 @@ class _Host:
         kind = "forged" if self._node.forging else "honest"
         try:
             resp: bytes = await self._inner.request(peer, protocol, payload, **kw)
+            if kind == "forged":  # the bench asks the hub's store whether these were trained
+                self._node.report.setdefault("forged_task_ids", []).append(self._task_id)
             self._node.count(f"{kind}_results_accepted", f"{kind}_rows_accepted", self._rows)
             return resp
         except RemoteError as exc:
@@ -103,7 +105,7 @@ class LiarNode(Node):
         self.results_sent += 1
         rows = len(task.prompts) * task.group_size
         try:
-            await super()._run_task(_Host(host, self, rows), task)  # type: ignore[arg-type]
+            await super()._run_task(_Host(host, self, rows, task.task_id), task)  # type: ignore[arg-type]
         finally:
             self.forging = False
 

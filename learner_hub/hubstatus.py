@@ -68,6 +68,14 @@ def hub_status(hub: Hub) -> dict[str, Any]:
         "ledger": hub.ledger.totals(now).as_dict(),
         "activation": fleet.last_activation,
         "spot_checks": tr.spot_checks,
+        # rows recomputed before a step, and those whose node failed the check (never trained)
+        "verification": {"rows_checked": tr.verifier.rows_checked, "rows_rejected": tr.verifier.rows_rejected},
+        # replay state by pool: admitted peers' never shares room with strangers' (A3)
+        "replay_guards": {
+            "admitted": {"entries": len(hub.replay), "max_entries": hub.replay.per_peer * hub.replay.max_peers},
+            "gossip": {"entries": len(hub.gossip_replay), "max_entries": hub.gossip_replay.per_peer * hub.gossip_replay.max_peers},
+            "unadmitted_admission": {"entries": len(hub.admission_replay), "max_entries": hub.admission_replay.max_entries},
+        },
         **hub.loop_lag.report(),
     }
 
