@@ -18,6 +18,7 @@ from typing import Any
 
 import trio
 
+from echo2.fsutil import atomic_write
 from echo2.node.runtime import Node, NodeConfig
 from echo2.protocol.errors import Echo2Error
 from echo2.protocol.framing import RemoteError
@@ -87,10 +88,8 @@ class LiarNode(Node):
         self._save()
 
     def _save(self) -> None:
-        path = self.cfg.data_dir / "liar.json"
-        tmp = path.with_suffix(".tmp")
-        tmp.write_text(json.dumps({**self.report, "updated": time.time()}))
-        tmp.replace(path)
+        data = json.dumps({**self.report, "updated": time.time()}).encode()
+        atomic_write(self.cfg.data_dir / "liar.json", data, durable=False)  # read by the bench while written
 
     async def _admit(self, host: ControlHost) -> Any:
         eng: Any = getattr(self, "_engine", None)
