@@ -149,6 +149,12 @@ class DispatchConfig:
     min_rate: float = 1e-3  # floor so a node with a bad observation still gets 1-prompt tasks
     closed_memory: int = 100_000  # closed task ids remembered for duplicate detection
     probation_groups: int = 1  # prompt groups per task of a node whose rate the hub has not timed
+    # Tasks of all untimed nodes together: admission is cheap (open mode: a key), so a flood of
+    # fresh nodes that never answer would otherwise hold one task each until its deadline and
+    # take their weight out of every honest node's share (measured: 92 such nodes in 15 s
+    # halved the honest rate in `echo2 bench attack` A3). New honest nodes wait their turn; the
+    # cap grows with the timed fleet (at least one slot per timed node), so onboarding doubles.
+    probation_max_in_flight: int = 4
 
     def __post_init__(self) -> None:
         if self.staleness < 0:
@@ -236,8 +242,12 @@ class Dispatcher:
         order = sorted((st for st in self.nodes.values() if st.active), key=lambda s: (-weight[s.node_id], s.node_id))
         progress = True
         # A node's task never takes more than its rate-weighted share of the queue: one fast node
-        # must not swallow a whole batch while the others idle.
-        total_rate = sum(weight.values()) or 1.0
+        # must not swallow a whole batch while the others idle. Untimed nodes weigh in only as
+        # many as may hold a task (``probation_max_in_flight``).
+        slots = max(cfg.probation_max_in_flight, sum(1 for st in order if not st.claimed))
+        probation_slots = slots - sum(len(st.in_flight) for st in order if st.claimed)
+        untimed = sorted((weight[st.node_id] for st in order if st.claimed), reverse=True)
+        total_rate = sum(weight[st.node_id] for st in order if not st.claimed) + sum(untimed[:slots]) or 1.0
         queued = len(self.queue)
         # Round-robin over nodes (one task per node per round) so a short queue is spread out
         # rather than handed wholesale to the first node.
@@ -250,6 +260,9 @@ class Dispatcher:
                     continue
                 share = max(1, math.ceil(queued * weight[st.node_id] / total_rate))
                 if st.claimed:
+                    if probation_slots <= 0:
+                        continue
+                    probation_slots -= 1
                     share = min(share, cfg.probation_groups)
                 task = self._make_task(now, st, min_version, share)
                 out.append(task)

@@ -191,3 +191,34 @@ def test_a6_price_from_before_a_restart_obeys_todays_max_price() -> None:
     book = PriceBook(ClaimLimits(max_price=2.0))
     assert book.admit("a", 2.0, 0.0, known=50.0) == 2.0
     assert book.admit("b", 1.0, 0.0, known=50.0) == 1.0  # asking less than before: at once
+
+
+def test_a3_a_flood_of_untimed_nodes_holds_only_the_probation_slots() -> None:
+    """Admission is cheap (open mode: a key), so 90 fresh nodes that never answer must neither
+    hold 90 tasks until their deadlines nor take their weight out of the timed nodes' shares."""
+    d = Dispatcher(DispatchConfig(staleness=1, target_task_s=10.0, probation_max_in_flight=4), task_id_prefix="t")
+    for honest in ("h1", "h2"):
+        d.add_node(honest, 2.0)  # timed
+    for i in range(90):
+        d.add_node(f"sybil{i}", 1e4, claimed=True)
+    d.submit(PromptGroup(f"p{i}", (1, 2), 4) for i in range(64))
+    tasks = d.next_tasks(0.0, 0)
+    sybil = [t for t in tasks if t.node_id.startswith("sybil")]
+    honest = [t for t in tasks if t.node_id.startswith("h")]
+    assert len(sybil) == 4 and sum(len(t.groups) for t in sybil) == 4
+    # the honest nodes' tasks are sized as if the flood were 4 nodes, not 90: 5 groups each
+    # (20 rollouts at 2/s in 10 s), not the 1 group a 92-node split would leave them
+    assert all(len(t.groups) == 5 for t in honest), [len(t.groups) for t in honest]
+    # nothing more while the slots are held
+    assert not [t for t in d.next_tasks(1.0, 0) if t.node_id.startswith("sybil")]
+
+
+def test_a3_probation_slots_grow_with_the_timed_fleet() -> None:
+    d = Dispatcher(DispatchConfig(staleness=1, target_task_s=10.0, probation_max_in_flight=4), task_id_prefix="t")
+    for i in range(10):
+        d.add_node(f"h{i}", 2.0)
+    for i in range(20):
+        d.add_node(f"new{i}", 2.0, claimed=True)
+    d.submit(PromptGroup(f"p{i}", (1, 2), 4) for i in range(200))
+    tasks = d.next_tasks(0.0, 0)
+    assert sum(1 for t in tasks if t.node_id.startswith("new")) == 10
