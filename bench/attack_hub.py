@@ -41,6 +41,7 @@ async def a1_inflight_reserve(ctx: Ctx) -> Effect:
     open_now = [0]
 
     async def holder(host: Any) -> None:
+        announce = wire.MAX_RESULT  # halved after each refusal: the largest the hub will take
         while True:
             if not host.is_connected(fz.hub_peer):
                 try:
@@ -56,14 +57,16 @@ async def a1_inflight_reserve(ctx: Ctx) -> Effect:
                 await trio.sleep(1.0)
                 continue
             try:
-                await stream.write(struct.pack(">I", wire.MAX_RESULT))
+                await stream.write(struct.pack(">I", announce))
                 reply = b""
                 with trio.move_on_after(0.5):  # a refusal (e.g. busy) comes back at once
                     reply = await stream.read(256)
                 if reply:
                     stats["stream_refused"] += 1
+                    announce = max(64 * 1024, announce // 2)
                     await trio.sleep(0.2)
                     continue
+                stats[f"announced_{announce}"] += 1
                 stats["streams_opened"] += 1
                 open_now[0] += 1
                 try:
@@ -103,7 +106,7 @@ async def a1_inflight_reserve(ctx: Ctx) -> Effect:
         "honest_admissions_busy": probe.outcomes["busy"], "honest_admissions": dict(probe.outcomes),
         "honest_node_busy_lines": busy_lines, "attacker": dict(stats),
     }
-    if stats["streams_opened"] == 0:
+    if stats["streams_opened"] == 0 and stats["stream_refused"] == 0:
         return effect, None  # the attack never got going: nothing was measured as prevented
     return effect, probe.outcomes["busy"] == 0 and busy_lines == 0 and probe.outcomes["admitted"] > 0
 
@@ -286,8 +289,17 @@ async def a3_replay_flood(ctx: Ctx) -> Effect:
                           "guard honest peers use (needs status.json 'replay_guards': {name: {entries, max_entries}})")
         return effect, False if per_s > 0 else None
     honest_guard_growth = _guard_growth(guards0, guards1, lambda name: "stranger" not in name and "unadmitted" not in name)
-    effect["honest_guard_growth"] = honest_guard_growth
-    return effect, honest_replay == 0 and honest_guard_growth < max(1.0, answered / 2)
+    stranger_guard_growth = _guard_growth(guards0, guards1, lambda name: "stranger" in name or "unadmitted" in name)
+    effect["honest_guard_growth"] = honest_guard_growth  # honest peers' own traffic grows it too
+    effect["stranger_guard_growth"] = stranger_guard_growth
+    requests = sum(outcomes.values())
+    # Prevented: no honest message refused as a replay, and the flood's nonces went to the
+    # strangers' pool (at least half of what it sent), not to the pool honest peers use.
+    # (or the strangers' pool is full and evicting: its growth is bounded by design)
+    full = any(isinstance(v, dict) and ("stranger" in k or "unadmitted" in k) and v.get("entries", 0) >= v.get("max_entries", 1)
+               for top in guards1.values() if isinstance(top, dict) for k, v in top.items())
+    absorbed = (full or stranger_guard_growth >= requests / 2) and honest_guard_growth < max(1.0, requests / 2)
+    return effect, honest_replay == 0 and absorbed
 
 
 def _guard_growth(g0: dict[str, Any], g1: dict[str, Any], pick: Any) -> float:
