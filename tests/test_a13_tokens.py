@@ -8,6 +8,7 @@ import argparse
 import time
 from pathlib import Path
 
+import hubkit
 import pytest
 import trio
 
@@ -22,13 +23,7 @@ from echo2.protocol.messages import AdmissionDecision, AdmissionRequest, Announc
 
 
 def announce(peer: str) -> Announce:
-    return Announce(
-        peer_id=peer, software_version="0.1.0", accelerator="", accelerator_count=0, accelerator_memory_bytes=0,
-        cpu_model="test", cpu_cores=1, ram_bytes=1 << 30, free_disk_bytes=1 << 30, engine="transformers",
-        engine_version="", tokens_per_s=0.0, rollouts_per_s=0.0, upload_MBps=0.0, download_MBps=0.0,
-        price_usd_per_hour=0.0, listen_addrs=[], data_addr="", reachable=False, versions_held=[],
-        max_upload_MBps=0.0,
-    )
+    return hubkit.announce(peer, rollouts_per_s=0.0, price_usd_per_hour=0.0)
 
 
 def request(hub: Hub, ident: Identity, token: str) -> AdmissionDecision:

@@ -9,6 +9,7 @@ from typing import Any
 
 import pytest
 import trio
+from hubkit import announce
 
 from echo2.learner_hub.admission import make_join_token
 from echo2.learner_hub.config import HubConfig
@@ -16,19 +17,11 @@ from echo2.learner_hub.hub import Hub
 from echo2.protocol import envelope
 from echo2.protocol.errors import Echo2Error, Replay
 from echo2.protocol.identity import Identity
-from echo2.protocol.messages import AdmissionDecision, AdmissionRequest, Announce, TaskDecline
+from echo2.protocol.messages import AdmissionDecision, AdmissionRequest, TaskDecline
 
 CAP = 64  # every replay pool the hub builds is shrunk to this, so a flood of 100 keys stands for 1M
 
 
-def announce(peer: str) -> Announce:
-    return Announce(
-        peer_id=peer, software_version="0.1.0", accelerator="", accelerator_count=0, accelerator_memory_bytes=0,
-        cpu_model="test", cpu_cores=1, ram_bytes=1 << 30, free_disk_bytes=1 << 30, engine="transformers",
-        engine_version="", tokens_per_s=0.0, rollouts_per_s=10.0, upload_MBps=0.0, download_MBps=0.0,
-        price_usd_per_hour=0.1, listen_addrs=[], data_addr="", reachable=False, versions_held=[],
-        max_upload_MBps=0.0,
-    )
 
 
 @pytest.fixture()

@@ -8,29 +8,19 @@ from pathlib import Path
 
 import pytest
 import trio
+from hubkit import announce, small_hub_cfg
 
-from echo2.learner_hub.config import HubConfig
 from echo2.learner_hub.hub import Hub
 from echo2.models.engine import TransformersEngine
 from echo2.protocol import envelope
 from echo2.protocol.errors import BadSignature, MeaningError, SignerNotAllowed
 from echo2.protocol.identity import Identity
-from echo2.protocol.messages import AdmissionDecision, AdmissionRequest, Announce, Result, Task, task_hash
-
-
-def announce(peer: str) -> Announce:
-    return Announce(
-        peer_id=peer, software_version="0.1.0", accelerator="", accelerator_count=0, accelerator_memory_bytes=0,
-        cpu_model="test", cpu_cores=1, ram_bytes=1 << 30, free_disk_bytes=1 << 30, engine="transformers",
-        engine_version="", tokens_per_s=0.0, rollouts_per_s=10.0, upload_MBps=0.0, download_MBps=0.0,
-        price_usd_per_hour=0.1, listen_addrs=[], data_addr="", reachable=False, versions_held=[],
-        max_upload_MBps=0.0,
-    )
+from echo2.protocol.messages import AdmissionDecision, AdmissionRequest, Result, Task, task_hash
 
 
 @pytest.fixture()
 def hub(tmp_path: Path) -> Hub:
-    cfg = HubConfig(dir=str(tmp_path), steps=10, prompts_per_step=2, group_size=4, staleness=1, max_new_tokens=4)
+    cfg = small_hub_cfg(tmp_path)
     return Hub(cfg)
 
 

@@ -6,16 +6,16 @@ from __future__ import annotations
 from pathlib import Path
 
 import trio
+from hubkit import small_hub_cfg
 from test_hub_results import admit, run_task, take_task
 
-from echo2.learner_hub.config import HubConfig
 from echo2.learner_hub.hub import Hub
 from echo2.protocol import envelope
 from echo2.protocol.identity import Identity
 
 
 def test_restart_restores_untrained_results(tmp_path: Path) -> None:
-    cfg = HubConfig(dir=str(tmp_path), steps=10, prompts_per_step=2, group_size=4, staleness=1, max_new_tokens=4)
+    cfg = small_hub_cfg(tmp_path)
     hub = Hub(cfg)
     trio.run(hub.trainer.checkpoint)  # step 0
     node = Identity.generate()

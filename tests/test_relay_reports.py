@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 import trio
+from hubkit import small_hub_cfg
 from test_hub_results import admit
 
 from echo2.learner_hub.config import HubConfig
@@ -170,7 +171,7 @@ def test_reports_that_do_not_check_out_are_refused(hub: Hub) -> None:
 
 
 def test_star_broadcast_has_no_relays_to_accuse(tmp_path: Path) -> None:
-    cfg = HubConfig(dir=str(tmp_path), steps=10, prompts_per_step=2, group_size=4, staleness=1, max_new_tokens=4)
+    cfg = small_hub_cfg(tmp_path)
     h = Hub(cfg)
     trio.run(h.publish)
     relay, a = Identity.generate(), Identity.generate()

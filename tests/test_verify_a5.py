@@ -11,6 +11,7 @@ from typing import Any
 
 import pytest
 import trio
+from hubkit import small_hub_cfg
 
 from echo2.learner_hub.config import HubConfig
 from echo2.learner_hub.intake import TaskBook
@@ -200,7 +201,7 @@ def test_a5_token_counts_are_the_hubs_not_the_nodes(tmp_path: Path) -> None:
     from echo2.protocol import envelope
     from echo2.protocol.messages import Result
 
-    hub = Hub(HubConfig(dir=str(tmp_path), steps=10, prompts_per_step=2, group_size=4, staleness=1, max_new_tokens=4))
+    hub = Hub(small_hub_cfg(tmp_path))
     try:
         node = Identity.generate()
         assert admit(hub, node).admitted
