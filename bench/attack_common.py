@@ -140,3 +140,18 @@ def codes(text: str, *words: str) -> int:
     """Lines of ``text`` mentioning any of ``words`` (case-insensitive)."""
     pat = re.compile("|".join(re.escape(w) for w in words), re.I)
     return sum(1 for line in text.splitlines() if pat.search(line))
+
+
+async def stranger_connect(addr: str, peer: str, counts: Counter[str], prefix: str) -> Any:
+    """A data-plane connection to ``peer`` under a fresh throwaway key, or None after counting the
+    refusal as ``{prefix}{reason}`` and pausing a second (the attackers' dial, written once)."""
+    from echo2.protocol.errors import Echo2Error
+    from echo2.protocol.identity import Identity
+    from echo2.protocol.net.dataplane import connect
+
+    try:
+        return await connect(addr, Identity.generate(), peer, timeout_s=5)
+    except Echo2Error as exc:
+        counts[f"{prefix}{getattr(exc, 'reason', getattr(exc, 'code', type(exc).__name__))}"] += 1
+        await trio.sleep(1.0)
+        return None

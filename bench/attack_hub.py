@@ -12,7 +12,15 @@ from typing import TYPE_CHECKING, Any
 
 import trio
 
-from echo2.bench.attack_common import HonestProbe, Responsiveness, RssPeak, admit, codes, control_host
+from echo2.bench.attack_common import (
+    HonestProbe,
+    Responsiveness,
+    RssPeak,
+    admit,
+    codes,
+    control_host,
+    stranger_connect,
+)
 from echo2.bench.attack_swarm import attacker_source, raw_connect
 
 if TYPE_CHECKING:
@@ -154,7 +162,6 @@ async def a2_decode_before_verify(ctx: Ctx) -> Effect:
     from echo2.protocol import wire
     from echo2.protocol.errors import Echo2Error
     from echo2.protocol.identity import Identity
-    from echo2.protocol.net.dataplane import connect
 
     fz, h = ctx.fz, ctx.h
     sent: Counter[str] = Counter()
@@ -185,11 +192,8 @@ async def a2_decode_before_verify(ctx: Ctx) -> Effect:
     async def node_frames() -> None:
         addr, peer = h.node_data_addrs[0], fz.node_peers[0]
         while True:
-            try:
-                conn = await connect(addr, Identity.generate(), peer, timeout_s=5)
-            except Echo2Error as exc:
-                saw[f"node:{getattr(exc, 'reason', getattr(exc, 'code', type(exc).__name__))}"] += 1
-                await trio.sleep(1.0)
+            conn = await stranger_connect(addr, peer, saw, "node:")
+            if conn is None:
                 continue
             try:
                 for p in payloads * 8:

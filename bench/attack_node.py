@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 import trio
 
-from echo2.bench.attack_common import RssPeak, codes
+from echo2.bench.attack_common import RssPeak, codes, stranger_connect
 from echo2.bench.attack_swarm import attacker_source
 
 if TYPE_CHECKING:
@@ -31,10 +31,7 @@ async def a4_open_dataplane(ctx: Ctx) -> Effect:
     sending them at 64 KiB/s, one sending whole 16 MiB MESSAGE frames, one spamming requests.
     Effect: the node's RSS, and whether a stranger was served at all."""
     from echo2.protocol import dataframe as dp
-    from echo2.protocol.errors import Echo2Error
-    from echo2.protocol.identity import Identity
     from echo2.protocol.messages import ChunkRequest
-    from echo2.protocol.net.dataplane import connect
     from echo2.protocol.wire import REQ_GET, encode_request
 
     h, fz = ctx.h, ctx.fz
@@ -46,11 +43,8 @@ async def a4_open_dataplane(ctx: Ctx) -> Effect:
 
     async def session(kind: str) -> None:
         while True:
-            try:
-                conn = await connect(addr, Identity.generate(), peer, timeout_s=5)
-            except Echo2Error as exc:
-                stats[f"refused:{getattr(exc, 'reason', getattr(exc, 'code', type(exc).__name__))}"] += 1
-                await trio.sleep(1.0)
+            conn = await stranger_connect(addr, peer, stats, "refused:")
+            if conn is None:
                 continue
             stats["accepted"] += 1
             sock = conn._stream
