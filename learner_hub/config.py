@@ -37,6 +37,18 @@ DType = Literal["float32", "bfloat16"]
 
 
 @dataclass
+class DatasetSpec:
+    """``dataset = {path = ..., split = "train", prompt_column = "prompt"}``: a local dataset read
+    with HF ``datasets`` (json/jsonl, parquet, csv, arrow, or a ``save_to_disk`` folder)."""
+
+    path: str = ""  # "" = no dataset: the built-in `task` is used
+    split: str = "train"
+    prompt_column: str = "prompt"
+    eval_split: str = ""  # held-out split for `eval_every` ("" = none)
+    system_prompt: str = ""  # prepended as a system message to conversational prompts
+
+
+@dataclass
 class HubConfig:
     dir: Annotated[str, _doc("hub directory: key, hub.addrs, status, checkpoints")] = "."
     # networking
@@ -50,8 +62,26 @@ class HubConfig:
     model: Annotated[str, _doc('"tiny" (built in code) or a local Hugging Face model directory')] = "tiny"
     tiny_hidden: Annotated[int, _doc("hidden size of the built-in tiny model", ge=1)] = 128
     tiny_layers: Annotated[int, _doc("layers of the built-in tiny model", ge=1)] = 2
-    task: Annotated[Literal["copy", "reverse", "arith", "jsonl"], _doc("copy | reverse | arith | jsonl")] = "copy"
-    dataset: Annotated[str, _doc('JSONL with question/answer fields when task = "jsonl"')] = ""
+    task: Annotated[Literal["copy", "reverse", "arith", "jsonl"], _doc("built-in task when no dataset or environment is set: copy | reverse | arith | jsonl")] = "copy"
+    dataset: Annotated[DatasetSpec, _doc("local HF dataset: {path, split, prompt_column, eval_split, system_prompt}")] = field(
+        default_factory=DatasetSpec
+    )
+    max_prompt_tokens: Annotated[int, _doc("prompts longer than this (in tokens) are skipped and counted", ge=1)] = 512
+    reward_funcs: Annotated[list[str], _doc('TRL-style reward functions: "file.py:func" or "package.module:func"')] = field(
+        default_factory=list
+    )
+    reward_weights: Annotated[list[float], _doc("one weight per reward function (default: all 1.0)")] = field(
+        default_factory=list
+    )
+    reward_timeout_s: Annotated[float, _doc("a reward call on one batch taking longer is abandoned and its rows excluded", gt=0)] = 30.0
+    environment: Annotated[str, _doc("verifiers environment id (pip install echo2[verifiers]); overrides dataset and rewards")] = ""
+    environment_args: Annotated[dict[str, Any], _doc("keyword arguments of verifiers.load_environment")] = field(
+        default_factory=dict
+    )
+    eval_every: Annotated[int, _doc("evaluate the held-out split through the swarm every K steps (0 = never)", ge=0)] = 0
+    eval_pass_threshold: Annotated[float, _doc("an eval completion whose reward reaches this counts as correct")] = 1.0
+    eval_temperature: Annotated[float, _doc("sampling temperature of eval tasks (0 = greedy)", ge=0)] = 0.0
+    eval_max_prompts: Annotated[int, _doc("eval prompts per evaluation (the first N of the eval split)", ge=1)] = 256
     dtype: Annotated[DType, _doc("training dtype: float32 | bfloat16")] = "float32"
     publish_dtype: Annotated[DType, _doc("dtype of published policy versions (bfloat16 compresses deltas well)")] = "bfloat16"
     # GRPO
@@ -61,8 +91,15 @@ class HubConfig:
     max_new_tokens: Annotated[int, _doc("tokens generated per completion", ge=1)] = 6
     temperature: Annotated[float, _doc("sampling temperature", gt=0)] = 1.0
     top_p: Annotated[float, _doc("nucleus sampling mass", gt=0, le=1)] = 1.0
+    top_k: Annotated[int, _doc("sample among the k most likely tokens (0 = off)", ge=0)] = 0
     lr: Annotated[float, _doc("learning rate", ge=0)] = 5e-4
-    clip_eps: Annotated[float, _doc("PPO-style ratio clip", ge=0)] = 0.2
+    loss_type: Annotated[Literal["grpo", "bnpo", "dr_grpo", "dapo"], _doc("normalisation of the token losses, as TRL names them: grpo | bnpo | dr_grpo | dapo")] = "grpo"
+    scale_rewards: Annotated[Literal["group", "batch", "none"], _doc("divide advantages by the std of the group | batch | not at all")] = "group"
+    epsilon: Annotated[float, _doc("lower ratio clip: ratio >= 1 - epsilon", ge=0)] = 0.2
+    epsilon_high: Annotated[float, _doc("upper ratio clip: ratio <= 1 + epsilon_high (0 = epsilon)", ge=0)] = 0.0
+    max_is_ratio: Annotated[float, _doc("cap on the behaviour importance weight of stale rows (0 = off)", ge=0)] = 0.0
+    mask_truncated_completions: Annotated[bool, _doc("completions cut off at max_new_tokens add no loss")] = False
+    num_iterations: Annotated[int, _doc("optimisation passes over each batch (TRL's mu)", ge=1)] = 1
     kl_coef: Annotated[float, _doc("KL penalty towards the initial policy", ge=0)] = 0.0
     seed: Annotated[int, _doc("seed of the model init and the prompt stream")] = 0
     # bounded staleness
@@ -107,9 +144,12 @@ def _hints() -> dict[str, Any]:
 
 
 def _toml_value(v: Any) -> str:
-    """One value as TOML, by tomli-w; a list stays on its line so its comment can follow it."""
+    """One value as TOML, by tomli-w; a list or table stays on its line (inline) so its comment can
+    follow it."""
     if isinstance(v, list):
         return "[" + ", ".join(_toml_value(x) for x in v) + "]"
+    if isinstance(v, dict):
+        return "{" + ", ".join(f"{tomli_w.dumps({k: 0}).split(' = ')[0]} = {_toml_value(x)}" for k, x in v.items()) + "}"
     return tomli_w.dumps({"v": v})[len("v = "):].rstrip("\n")
 
 
@@ -121,13 +161,25 @@ def _allowed(tp: Any) -> str:
         metas += [m for m in extra if isinstance(m, msgspec.Meta)]
     if get_origin(tp) is Literal:
         return "one of " + ", ".join(_toml_value(c) for c in get_args(tp))
-    words = {int: "an integer", float: "a number", str: "a string", bool: "true or false"}.get(tp, "a list of strings")
+    words = {int: "an integer", float: "a number", str: "a string", bool: "true or false",
+             DatasetSpec: "a table {path, split, prompt_column, eval_split, system_prompt}"}.get(tp) or (
+        "a table" if get_origin(tp) is dict else "a list of " + {float: "numbers"}.get(get_args(tp)[0] if get_args(tp) else str, "strings"))
     bounds = [f"{sym} {getattr(m, attr):g}" for m in metas
               for attr, sym in (("ge", ">="), ("gt", ">"), ("le", "<="), ("lt", "<")) if getattr(m, attr) is not None]
     return " ".join([words, " and ".join(bounds)]).strip()
 
 
+# keys renamed to TRL's names: an old hub.toml keeps working
+_RENAMED = {"clip_eps": "epsilon"}
+
+
 def _convert(table: dict[str, Any], source: str) -> HubConfig:
+    table = dict(table)
+    for old, new in _RENAMED.items():
+        if old in table and new not in table:
+            table[new] = table.pop(old)
+    if isinstance(table.get("dataset"), str):  # the old form: dataset = "file.jsonl"
+        table["dataset"] = {"path": table["dataset"]}
     known = list(_hints())
     unknown = sorted(set(table) - set(known))
     if unknown:

@@ -66,7 +66,7 @@ class Hub:
         self.dir.mkdir(mode=0o700, parents=True, exist_ok=True)
         self.identity = load_or_create_identity(self.dir / "hub.key")
         learner, self.tok, self.model_config, self.artifacts = build_learner(cfg)
-        self.env = make_env(cfg.task, **({"path": cfg.dataset} if cfg.task == "jsonl" else {}))
+        self.env = make_env(cfg.task, **({"path": cfg.dataset.path} if cfg.task == "jsonl" else {}))
         self.dispatcher = Dispatcher(DispatchConfig(
             staleness=cfg.staleness, target_task_s=cfg.task_target_s, min_deadline_s=cfg.task_deadline_s,
             max_deadline_s=max(cfg.task_deadline_s, 900.0),

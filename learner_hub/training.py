@@ -52,7 +52,7 @@ def build_learner(cfg: HubConfig) -> tuple[Learner, Any, str, dict[str, bytes]]:
     # The KL reference is the initial policy, frozen.
     ref_model = copy.deepcopy(model).eval().requires_grad_(False) if cfg.kl_coef > 0 else None
     learner = Learner(
-        model, tok, lr=cfg.lr, clip_eps=cfg.clip_eps, kl_coef=cfg.kl_coef, temperature=cfg.temperature, dtype=dtype,
+        model, tok, lr=cfg.lr, clip_eps=cfg.epsilon, kl_coef=cfg.kl_coef, temperature=cfg.temperature, dtype=dtype,
         publish_dtype=torch.bfloat16 if cfg.publish_dtype == "bfloat16" else torch.float32, seed=cfg.seed,
         ref_model=ref_model,
     )
