@@ -163,7 +163,7 @@ def _allowed(tp: Any) -> str:
         return "one of " + ", ".join(_toml_value(c) for c in get_args(tp))
     words = {int: "an integer", float: "a number", str: "a string", bool: "true or false",
              DatasetSpec: "a table {path, split, prompt_column, eval_split, system_prompt}"}.get(tp) or (
-        "a table" if get_origin(tp) is dict else "a list of " + {float: "numbers"}.get(get_args(tp)[0] if get_args(tp) else str, "strings"))
+        "a table" if get_origin(tp) is dict else "a list of numbers" if get_args(tp) == (float,) else "a list of strings")
     bounds = [f"{sym} {getattr(m, attr):g}" for m in metas
               for attr, sym in (("ge", ">="), ("gt", ">"), ("le", "<="), ("lt", "<")) if getattr(m, attr) is not None]
     return " ".join([words, " and ".join(bounds)]).strip()
