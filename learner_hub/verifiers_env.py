@@ -89,7 +89,25 @@ def _load(vf: Any, env_id: str, env_args: dict[str, Any]) -> Any:
     except ModuleNotFoundError as e:
         raise ConfigError(f"environment = {env_id!r}: {e}") from e
     except (ValueError, TypeError, AttributeError) as e:  # pydantic's ValidationError is a ValueError
+        if _is_classic(vf, env_id):
+            raise ConfigError(
+                f"environment = {env_id!r} is written for the classic verifiers API (a module-level "
+                "load_environment() returning vf.SingleTurnEnv), which verifiers 0.4 removed; echo2 loads "
+                "verifiers.v1 tasksets: a module exporting its vf.Taskset subclass through __all__, "
+                "rewards as @vf.reward methods of its vf.Task"
+            ) from e
         raise ConfigError(f"environment = {env_id!r} with environment_args {env_args!r}: {e}") from e
+
+
+def _is_classic(vf: Any, env_id: str) -> bool:
+    """The id names a module with a classic ``load_environment`` and no v1 Taskset export."""
+    try:
+        module = vf.import_taskset(env_id)
+    except ImportError:
+        return False
+    exported = [getattr(module, name, None) for name in getattr(module, "__all__", [])]
+    has_taskset = any(isinstance(obj, type) and issubclass(obj, vf.Taskset) for obj in exported)
+    return callable(getattr(module, "load_environment", None)) and not has_taskset
 
 
 def _refuse(env_id: str, what: str, why: str) -> ConfigError:

@@ -123,6 +123,9 @@ def test_async_reward_runs_in_a_worker_thread_under_the_hub_trio_loop(toy: Any) 
     [
         ("echo2_vf_tools", ["ToolTask.toolsets()", "tool loop"]),
         ("echo2_vf_duo", ["DuoEnv", "run()"]),
+        ("echo2_vf_sandbox", ["BoxTask.NEEDS_CONTAINER", "sandbox"]),
+        ("echo2_vf_stop", ["LoopTask stop hooks (solved)"]),
+        ("echo2_vf_runtime", ["CheckTask.tests_pass()", "runtime"]),
     ],
 )
 def test_multi_turn_env_is_refused_naming_what_is_missing(vf: Any, env_id: str, names: list[str]) -> None:
@@ -130,6 +133,12 @@ def test_multi_turn_env_is_refused_naming_what_is_missing(vf: Any, env_id: str, 
         load_environment_recipe(env_id, {})
     for name in names:
         assert name in str(err.value)
+
+
+def test_classic_api_env_is_refused_with_what_to_port_to(vf: Any) -> None:
+    with pytest.raises(ConfigError, match="classic verifiers API") as err:
+        load_environment_recipe("echo2-vf-classic", {})
+    assert "vf.Taskset" in str(err.value)
 
 
 def test_unknown_env_and_bad_args_are_config_errors(vf: Any) -> None:
