@@ -3,10 +3,11 @@
 ``environment = "ENV_ID"`` names a verifiers (>= 0.4, the ``verifiers.v1`` stack) taskset: verifiers
 finds it by importing the module named after the id (``my-env`` -> ``my_env``) and taking the
 ``Taskset`` subclass that module exports through ``__all__``; ``environment_args`` are that
-taskset's config fields. echo2's nodes produce one completion per prompt, so only what verifiers
-itself would run as a single model reply is accepted: the plain ``SingleAgentEnv``, no tools, no
-sandbox, no stop hooks, no LLM judge, rewards computable from the task and the transcript alone.
-Anything else is refused with a ConfigError naming the class and the method that needs more.
+taskset's config fields. echo2's nodes produce one completion per prompt, which is what verifiers'
+tool-less ``null`` harness does with a task that offers no tools: one model reply. So only that is
+accepted: the plain ``SingleAgentEnv``, no bundled harness, no tools, no sandbox, no stop hooks, no
+LLM judge, rewards computable from the task and the transcript alone. Anything else is refused with
+a ConfigError naming the class and the method that needs more.
 
 Each reward function of the task (its ``@vf.reward`` methods merged with config-plugged ones, in
 verifiers' order) becomes one callable on TRL's convention, and its ``@vf.reward(weight=...)`` is
@@ -43,8 +44,8 @@ def load_environment_recipe(
 
     Dataset rows: ``prompt`` (a list of ``{"role", "content"}`` messages, the task's system prompt
     first), ``answer`` (when the task data has one), ``info`` (the task's wire data as JSON) and
-    ``task`` (the environment id). A verifiers taskset has no held-out split, so ``eval_dataset``
-    is None (use ``dataset.eval_split`` for a held-out set).
+    ``task`` (the environment id). A verifiers taskset is one stream of tasks with no held-out
+    split, so ``eval_dataset`` is None.
     """
     vf = _import_verifiers()
     import datasets
@@ -149,8 +150,13 @@ def _require_single_turn(vf: Any, env: Any, env_id: str) -> None:
     for method in ("setup", "finalize", "stage_verifier"):
         if _overrides(task_cls, vf.Task, method):
             raise _refuse(env_id, f"{task_cls.__name__}.{method}()", "prepares a runtime (sandbox) around the rollout")
-    if env.taskset.config.task.judges:
-        raise _refuse(env_id, "its task config's judges", "score with an LLM judge that needs a model client")
+    judges = env.taskset.config.task.judges
+    if judges:
+        ids = ", ".join(judge.id for judge in judges)
+        raise ConfigError(
+            f"environment = {env_id!r}: its task config plugs judges ({ids}), whose Judge.score() asks an "
+            "LLM through a model client, which echo2's hub does not have; drop taskset.task.judges"
+        )
 
 
 def _materialise(taskset: Any, env_id: str) -> list[Any]:
@@ -290,7 +296,15 @@ class _RubricReward:
     ) -> list[float | None]:
         if len(info) != len(completions):
             raise ValueError(f"{len(completions)} completions but {len(info)} info values")
-        results = [self._call(row_info, completion) for row_info, completion in zip(info, completions, strict=True)]
+        results: list[Any] = []
+        try:
+            for row_info, completion in zip(info, completions, strict=True):
+                results.append(self._call(row_info, completion))
+        except BaseException:
+            for r in results:  # the rows before the failing one: no "never awaited" warnings
+                if inspect.iscoroutine(r):
+                    r.close()
+            raise
         if any(inspect.isawaitable(r) for r in results):
             results = _drive(results)
         return [_score(self.__name__, r) for r in results]

@@ -105,6 +105,15 @@ def test_plain_string_completions_score_like_messages(toy: Any) -> None:
     assert plain == chat
 
 
+def test_a_malformed_batch_raises_for_the_hub_to_count(toy: Any) -> None:
+    """The hub's reward runner turns a raise into excluded, counted rows: the adapter must raise."""
+    dataset, _, funcs, _ = toy
+    with pytest.raises(ValueError, match="neither a string nor a list"):
+        funcs[0](**_batch(dataset, ["0", 7]))
+    with pytest.raises(ValueError, match="not an assistant message"):
+        funcs[0](**_batch(dataset, [[{"role": "user", "content": "0"}]]))
+
+
 def test_async_reward_runs_in_a_worker_thread_under_the_hub_trio_loop(toy: Any) -> None:
     """The hub calls rewards via trio.to_thread; the async one gets its own loop in that thread."""
     import trio
@@ -133,6 +142,11 @@ def test_multi_turn_env_is_refused_naming_what_is_missing(vf: Any, env_id: str, 
         load_environment_recipe(env_id, {})
     for name in names:
         assert name in str(err.value)
+
+
+def test_llm_judge_is_refused_naming_it(vf: Any) -> None:
+    with pytest.raises(ConfigError, match=r"judges \(decision\).*Judge.score\(\)"):
+        load_environment_recipe("echo2-vf-toy", {"task": {"judges": [{"id": "decision"}]}})
 
 
 def test_classic_api_env_is_refused_with_what_to_port_to(vf: Any) -> None:
