@@ -51,12 +51,17 @@ def load_environment_recipe(
     import datasets
 
     env = _load(vf, env_id, env_args)
-    _require_single_turn(vf, env, env_id)
-    taskset = env.taskset
-    task_cls = type(taskset).task_type()
-    tasks = _materialise(taskset, env_id)
-    hooks = _reward_hooks(vf, tasks[0], env_id)
-    rows = [_row(task, env_id) for task in tasks]
+    try:  # the environment's own code runs here (toolsets(), load(), hooks()): its failures are config errors
+        _require_single_turn(vf, env, env_id)
+        taskset = env.taskset
+        task_cls = type(taskset).task_type()
+        tasks = _materialise(taskset, env_id)
+        hooks = _reward_hooks(vf, tasks[0], env_id)
+        rows = [_row(task, env_id) for task in tasks]
+    except ConfigError:
+        raise
+    except Exception as e:
+        raise ConfigError(f"environment = {env_id!r} failed to load its tasks: {type(e).__name__}: {e}") from e
     dataset = datasets.Dataset.from_list(rows)
     rebuild = _TaskRebuilder(task_cls, taskset.config.task)
     funcs: list[RewardFunc] = [_RubricReward(vf, env_id, name, rebuild) for name, _ in hooks]
@@ -87,7 +92,11 @@ def _load(vf: Any, env_id: str, env_args: dict[str, Any]) -> Any:
     try:
         config = vf.resolve_env_config({"taskset": {**env_args, "id": env_id}})
         return vf.load_environment(config)
-    except ModuleNotFoundError as e:
+    except ImportError as e:  # the module is missing, or one of its own dependencies is
+        # verifiers reports a module whose own import failed as "not found": name the real culprit
+        cause = e.__cause__
+        if isinstance(cause, ImportError) and cause.name and cause.name.split(".")[0] != _module_name(env_id):
+            raise ConfigError(f"environment = {env_id!r}: its module failed to import: {cause}") from e
         raise ConfigError(f"environment = {env_id!r}: {e}") from e
     except (ValueError, TypeError, AttributeError) as e:  # pydantic's ValidationError is a ValueError
         if _is_classic(vf, env_id):
@@ -98,13 +107,20 @@ def _load(vf: Any, env_id: str, env_args: dict[str, Any]) -> Any:
                 "rewards as @vf.reward methods of its vf.Task"
             ) from e
         raise ConfigError(f"environment = {env_id!r} with environment_args {env_args!r}: {e}") from e
+    except Exception as e:  # the environment's own construction code
+        raise ConfigError(f"environment = {env_id!r} failed to load: {type(e).__name__}: {e}") from e
+
+
+def _module_name(env_id: str) -> str:
+    # verifiers' own mapping of an id to its module (hub ids are owner/name@version)
+    return env_id.rsplit("/", 1)[-1].split("@", 1)[0].replace("-", "_").lower()
 
 
 def _is_classic(vf: Any, env_id: str) -> bool:
     """The id names a module with a classic ``load_environment`` and no v1 Taskset export."""
     try:
         module = vf.import_taskset(env_id)
-    except ImportError:
+    except Exception:  # only a hint for the error being raised: never a second failure
         return False
     exported = [getattr(module, name, None) for name in getattr(module, "__all__", [])]
     has_taskset = any(isinstance(obj, type) and issubclass(obj, vf.Taskset) for obj in exported)

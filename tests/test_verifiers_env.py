@@ -158,5 +158,9 @@ def test_classic_api_env_is_refused_with_what_to_port_to(vf: Any) -> None:
 def test_unknown_env_and_bad_args_are_config_errors(vf: Any) -> None:
     with pytest.raises(ConfigError, match="no-such-env"):
         load_environment_recipe("no-such-env", {})
+    with pytest.raises(ConfigError, match="echo2_no_such_dependency"):
+        load_environment_recipe("echo2-vf-missingdep", {})
+    with pytest.raises(ConfigError, match="failed to load its tasks: FileNotFoundError"):
+        load_environment_recipe("echo2-vf-broken", {})
     with pytest.raises(ConfigError, match="bogus"):
         load_environment_recipe("echo2-vf-toy", {"bogus": 1})
