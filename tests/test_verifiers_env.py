@@ -42,6 +42,7 @@ def _batch(dataset: Any, completions: list[Any]) -> dict[str, Any]:
         "completions": completions,
         "completion_ids": [[1, 2]] * len(completions),
         "trainer_state": None,
+        "finish_reason": ["stop"] * len(completions),  # an extra keyword echo2's runner adds
         **rows,
     }
 
