@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 import random
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -168,11 +168,8 @@ def prepare(rows: Rows, prompt_column: str, renderer: Renderer, max_prompt_token
     if columns is not None and prompt_column not in columns:
         raise ConfigError(f"dataset {name}: no column {prompt_column!r} (prompt_column); it has {', '.join(columns)}")
     keep: list[int] = []
-    for i in range(len(rows)):
-        row = rows[i]
-        if prompt_column not in row:
-            raise ConfigError(f"dataset {name}: row {i} has no column {prompt_column!r} (prompt_column)")
-        prompt = check_prompt(row[prompt_column], f"dataset {name}: row {i}, column {prompt_column!r}")
+    for i, value in enumerate(_prompt_values(rows, prompt_column, name)):
+        prompt = check_prompt(value, f"dataset {name}: row {i}, column {prompt_column!r}")
         if len(renderer.render(prompt)[1]) <= max_prompt_tokens:
             keep.append(i)
     skipped = len(rows) - len(keep)
@@ -182,6 +179,16 @@ def prepare(rows: Rows, prompt_column: str, renderer: Renderer, max_prompt_token
     if not keep:
         raise ConfigError(f"dataset {name}: no prompt fits max_prompt_tokens={max_prompt_tokens} ({len(rows)} rows)")
     return Prepared(rows, keep, skipped)
+
+
+def _prompt_values(rows: Rows, column: str, name: str) -> Iterable[Any]:
+    if _columns(rows) is not None:
+        # an HF Dataset: one column read, not a decoded row per prompt
+        return rows[column]  # type: ignore[call-overload,no-any-return]
+    missing = next((i for i, row in enumerate(rows) if column not in row), None)
+    if missing is not None:
+        raise ConfigError(f"dataset {name}: row {missing} has no column {column!r} (prompt_column)")
+    return (row[column] for row in rows)
 
 
 def _columns(rows: Rows) -> list[str] | None:

@@ -260,3 +260,31 @@ def test_hub_restart_continues_the_prompt_sequence(tmp_path: Path) -> None:
         finally:
             hub.store.close()
     assert got == straight
+
+
+def test_environment_recipe_uses_its_dataset_and_rubric(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The assembly only: the verifiers adapter (learner_hub/verifiers_env.py) is tested on its own;
+    here a stand-in returns what it returns (train/eval Datasets with a `prompt` column, callables, weights)."""
+    import types
+
+    tok, arts = _tok(TEMPLATE)
+    train = datasets.Dataset.from_list([{"prompt": [{"role": "user", "content": f"q{i}"}], "answer": str(i)}
+                                        for i in range(4)])
+
+    def reward(**_kw: Any) -> list[float]:
+        return []
+
+    calls: list[tuple[str, dict[str, Any]]] = []
+
+    def load_environment_recipe(env_id: str, env_args: dict[str, Any]) -> Any:
+        calls.append((env_id, env_args))
+        return train, train.select(range(2)), [reward], [0.5]
+
+    stand_in = types.ModuleType("echo2.learner_hub.verifiers_env")
+    stand_in.load_environment_recipe = load_environment_recipe  # type: ignore[attr-defined]
+    monkeypatch.setitem(__import__("sys").modules, "echo2.learner_hub.verifiers_env", stand_in)
+    cfg = _cfg(tmp_path, environment="my-env", environment_args={"n": 1}, reward_funcs=["ignored.py:f"])
+    r = build_recipe(cfg, tok, arts)
+    assert calls == [("my-env", {"n": 1})] and r.reward_funcs == [reward] and r.reward_weights == [0.5]
+    assert len(r.source) == 4 and len(r.eval_items) == 2 and r.eval_items[0].conversational
+    assert r.eval_items[0].row == {"answer": "0"} and r.eval_items[0].text.endswith("<bos>assistant:")
