@@ -88,7 +88,8 @@ def _short(v: Any) -> str:
 class Renderer:
     """Prompt -> (text, token ids) with the policy's tokenizer.
 
-    A plain prompt is encoded as the hub always has (its bytes literally, after a bos). A
+    A plain prompt is encoded as its literal text; like TRL's GRPOTrainer (``add_special_tokens=False``)
+    no bos is put in front, unless ``add_bos`` (the built-in tasks, tuned with one). A
     conversational one goes through the model's chat template (``add_generation_prompt=True``,
     transformers' own jinja rendering) and is encoded as ``apply_chat_template(tokenize=True)``
     does: the template writes the special tokens itself, so they are parsed as such and no bos is
@@ -96,8 +97,10 @@ class Renderer:
     ``chat_template.jinja``), the files that also travel to nodes.
     """
 
-    def __init__(self, tok: Any, artifacts: Mapping[str, bytes] | None = None, system_prompt: str = "") -> None:
-        self.tok = tok
+    def __init__(
+        self, tok: Any, artifacts: Mapping[str, bytes] | None = None, system_prompt: str = "", add_bos: bool = False
+    ) -> None:
+        self.tok, self.add_bos = tok, add_bos
         self.system_prompt = system_prompt
         self._template = _chat_template(artifacts or {})
         self._artifacts = artifacts or {}
@@ -109,7 +112,7 @@ class Renderer:
 
     def render(self, prompt: str | list[Message]) -> tuple[str, list[int]]:
         if isinstance(prompt, str):
-            return prompt, list(self.tok.encode(prompt, add_bos=True))
+            return prompt, list(self.tok.encode(prompt, add_bos=self.add_bos))
         messages = list(prompt)
         if self.system_prompt and messages[0]["role"] != "system":
             messages.insert(0, {"role": "system", "content": self.system_prompt})

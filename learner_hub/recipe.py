@@ -71,7 +71,9 @@ def build_recipe(cfg: HubConfig, tok: Any, artifacts: Mapping[str, bytes] | None
     ``artifacts`` (the model's manifest files) carry the chat template for conversational prompts."""
     from . import data
 
-    renderer = data.Renderer(tok, artifacts, cfg.dataset.system_prompt)
+    # the built-in tasks (and the old jsonl one) keep the bos their prompts always had
+    builtin = not cfg.environment and (cfg.task == "jsonl" or not cfg.dataset.path)
+    renderer = data.Renderer(tok, artifacts, cfg.dataset.system_prompt, add_bos=builtin)
     funcs: list[str | Callable[..., Any]] = list(cfg.reward_funcs)
     column = cfg.dataset.prompt_column
     if cfg.environment:

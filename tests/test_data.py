@@ -75,7 +75,7 @@ def test_each_file_format_gives_the_same_prompts(tmp_path: Path) -> None:
         # every other column goes into row (csv keeps what it parsed: answer is then an int)
         assert [str(it.row["answer"]) for it in items] == [r["answer"] for r in ROWS], kind
         assert set(items[0].row) == {"answer", "level"}, kind
-        assert items[0].ids == tuple(tok.encode(items[0].text, add_bos=True)) and not items[0].conversational
+        assert items[0].ids == tuple(tok.encode(items[0].text)) and not items[0].conversational  # no bos: as TRL
     test = load_rows(tmp_path / "dict", "test")
     assert len(test) == 3
     with pytest.raises(ConfigError, match="no split 'validation'"):
@@ -288,3 +288,19 @@ def test_environment_recipe_uses_its_dataset_and_rubric(tmp_path: Path, monkeypa
     assert calls == [("my-env", {"n": 1})] and r.reward_funcs == [reward] and r.reward_weights == [0.5]
     assert len(r.source) == 4 and len(r.eval_items) == 2 and r.eval_items[0].conversational
     assert r.eval_items[0].row == {"answer": "0"} and r.eval_items[0].text.endswith("<bos>assistant:")
+
+
+SMOLLM2 = Path.home() / ".cache/echo2/models/smollm2-135m-instruct"
+
+
+@pytest.mark.skipif(not (SMOLLM2 / "tokenizer_config.json").exists(), reason="no converted SmolLM2 (echo2 model import-gguf)")
+def test_chat_ids_equal_transformers_apply_chat_template() -> None:
+    from transformers import AutoTokenizer
+
+    arts = {n: (SMOLLM2 / n).read_bytes() for n in ("tokenizer.json", "tokenizer_config.json")}
+    tok = spec.load_tokenizer(arts)
+    msgs = [{"role": "user", "content": "What is 2+3?"}]
+    _text, ids = Renderer(tok, arts, system_prompt="Be brief.").render(msgs)
+    ref = AutoTokenizer.from_pretrained(str(SMOLLM2)).apply_chat_template(
+        [{"role": "system", "content": "Be brief."}, *msgs], tokenize=True, add_generation_prompt=True)
+    assert ids == list(ref["input_ids"] if hasattr(ref, "keys") else ref)
