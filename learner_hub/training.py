@@ -246,6 +246,12 @@ class Trainer:
                     "staleness_mean": stats.staleness_mean,
                     "mismatch_max": stats.mismatch_max,
                     "rows": stats.sequences,
+                    # rows that taught (non-zero advantage, not masked, sound log-probs) and why others did not
+                    "active_rows": stats.active_rows,
+                    "zero_adv_groups": stats.zero_adv_groups,
+                    "masked_truncated": stats.masked_truncated,
+                    "bad_rows": stats.bad_rows,
+                    "clip_frac": stats.clip_frac,
                     "train_s": round(t1 - t0, 4),
                     "busy_fraction": self.busy_fraction(),
                     "predicted_busy_fraction": predicted_busy(),
