@@ -276,6 +276,7 @@ class Learner:
         grad_norm = 0.0
         mismatch: list[tuple[int, float]] = []  # (row index, max abs diff)
         old: list[Tensor | None] = [None] * len(chunks)  # π_old: the first pass's log-probs, detached
+        ref: list[Tensor | None] = [None] * len(chunks)  # the frozen reference's, computed once
         for it in range(self.num_iterations if norm.rows else 1):
             self.optimizer.zero_grad(set_to_none=True)
             for ci, chunk in enumerate(chunks):
@@ -290,10 +291,10 @@ class Learner:
                     if behav[i]:
                         lb[j, : len(behav[i])] = torch.tensor(behav[i], dtype=lb.dtype)
                 on = torch.tensor([active[i] for i in chunk], dtype=mask.dtype, device=self.device)
-                logp_ref = None
-                if self.ref_model is not None:
+                if it == 0 and self.ref_model is not None:
                     with torch.no_grad():
-                        logp_ref, _ = self._batch_logprobs(self.ref_model, mb_rows)
+                        ref[ci], _ = self._batch_logprobs(self.ref_model, mb_rows)
+                logp_ref = ref[ci]
                 adv_t = torch.tensor([advs[i] for i in chunk], dtype=torch.float32, device=self.device)
                 loss, st = grpo_loss(
                     logp_new, lb, adv_t, mask * on.unsqueeze(-1), clip_eps=self.clip_eps, kl_coef=self.kl_coef,

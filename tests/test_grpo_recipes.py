@@ -296,3 +296,23 @@ def test_truncated_sampling_is_refused_at_config_load(tmp_path: Any) -> None:
     assert load_config(p).loss_type == "dr_grpo"
     with pytest.raises(ConfigError, match="top_p"):
         build_learner(HubConfig(top_k=5))
+
+
+def test_kl_reference_is_computed_once_and_reported() -> None:
+    import copy
+
+    base = _learner(sgd_lr=0.01)
+    ref_model = copy.deepcopy(base.model).eval().requires_grad_(False)
+    calls: list[int] = []
+    fwd = ref_model.forward
+
+    def counted(*args: Any, **kw: Any) -> Any:
+        calls.append(1)
+        return fwd(*args, **kw)
+
+    ref_model.forward = counted  # type: ignore[method-assign]
+    learner = _learner(sgd_lr=0.01, kl_coef=0.1, ref_model=ref_model, num_iterations=2)
+    learner.model.load_state_dict(base.model.state_dict())
+    st = learner.step(_groups(learner, [[1.0, 0.0], [0.0, 1.0]]))
+    assert len(calls) == 1  # one micro-batch, two passes: the frozen reference runs once
+    assert st.kl_ref == pytest.approx(0.0, abs=1e-6) and math.isfinite(st.loss)  # first pass: policy == reference
