@@ -90,10 +90,10 @@ class HubConfig:
     group_size: Annotated[int, _doc("G completions per prompt (GRPO needs a group to normalise against)", ge=2)] = 16
     max_new_tokens: Annotated[int, _doc("tokens generated per completion", ge=1)] = 6
     temperature: Annotated[float, _doc("sampling temperature", gt=0)] = 1.0
-    top_p: Annotated[float, _doc("nucleus sampling mass", gt=0, le=1)] = 1.0
-    top_k: Annotated[int, _doc("sample among the k most likely tokens (0 = off)", ge=0)] = 0
+    top_p: Annotated[float, _doc("nucleus sampling mass; only 1.0: nodes report log-probs of the full distribution", gt=0, le=1)] = 1.0
+    top_k: Annotated[int, _doc("sample among the k most likely tokens; only 0 (off), as top_p", ge=0)] = 0
     lr: Annotated[float, _doc("learning rate", ge=0)] = 5e-4
-    loss_type: Annotated[Literal["grpo", "bnpo", "dr_grpo", "dapo"], _doc("normalisation of the token losses, as TRL names them: grpo | bnpo | dr_grpo | dapo")] = "grpo"
+    loss_type: Annotated[Literal["grpo", "bnpo", "dr_grpo", "dapo"], _doc("normalisation of the token losses, as TRL names them: grpo | bnpo | dr_grpo | dapo")] = "dapo"
     scale_rewards: Annotated[Literal["group", "batch", "none"], _doc("divide advantages by the std of the group | batch | not at all")] = "group"
     epsilon: Annotated[float, _doc("lower ratio clip: ratio >= 1 - epsilon", ge=0)] = 0.2
     epsilon_high: Annotated[float, _doc("upper ratio clip: ratio <= 1 + epsilon_high (0 = epsilon)", ge=0)] = 0.0
@@ -187,7 +187,7 @@ def _convert(table: dict[str, Any], source: str) -> HubConfig:
         hint = f" (did you mean {close[0]!r}?)" if close else ""
         raise ConfigError(f"{source}: unknown key {unknown[0]!r}{hint}; known keys: {', '.join(known)}")
     try:
-        return msgspec.convert(table, HubConfig)
+        cfg = msgspec.convert(table, HubConfig)
     except msgspec.ValidationError as exc:
         # msgspec says where ("... - at `$.staleness`"); the message says it in the file's terms
         path = str(exc).rpartition("`$.")[2].rstrip("`")
@@ -195,6 +195,17 @@ def _convert(table: dict[str, Any], source: str) -> HubConfig:
         if key not in table:
             raise ConfigError(f"{source}: {exc}") from exc
         raise ConfigError(f"{source}: {key} = {_toml_value(table[key])}: must be {_allowed(_hints()[key])}") from exc
+    check_sampling(cfg, source)
+    return cfg
+
+
+def check_sampling(cfg: HubConfig, source: str = "HubConfig") -> None:
+    """Refuse truncated sampling: nodes report log_softmax(logits / T) of the full distribution,
+    and the learner's ratio is of that distribution, so a top-p/top-k sampler's tokens would be
+    trained with the wrong ratio (issue 16 item 6: refusal rather than processed log-probs)."""
+    if cfg.top_p < 1.0 or cfg.top_k > 0:
+        raise ConfigError(f"{source}: top_p = {cfg.top_p:g}, top_k = {cfg.top_k}: echo2 trains on log-probs of the "
+                          "untruncated distribution, so sampling must be too: set top_p = 1.0 and top_k = 0")
 
 
 def load_config(path: str | Path) -> HubConfig:

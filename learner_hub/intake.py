@@ -24,6 +24,7 @@ from typing import Any
 from echo2.protocol.errors import Echo2Error, MeaningError, SignerNotAllowed
 from echo2.protocol.messages import Result, Task, task_hash
 
+from .behaviour import logprob_problem
 from .dispatch import Dispatcher, PromptGroup, TaskAssignment
 from .rows import Group, Sample
 
@@ -243,6 +244,10 @@ class Intake:
             if any(t in self.stop_ids for t in c.token_ids[:-1]):
                 # engines stop at the first stop token: text after one cannot be a sample
                 raise MeaningError("completion goes on after a stop token")
+            # a NaN or a -1e30 would poison the step or, clamped, dominate it: refused at the door
+            bad = logprob_problem(c.logprobs)
+            if bad is not None:
+                raise MeaningError(f"completion for prompt {c.prompt_index}: {bad}")
 
     def _rows(self, task: TaskAssignment, r: Result, peer: str) -> list[Group]:
         by_prompt: dict[int, list[Any]] = {}

@@ -17,7 +17,6 @@ Numerics, chosen so the learner's log-probs are comparable with what nodes repor
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import logging
 import math
@@ -29,7 +28,10 @@ from typing import Any, Protocol
 import torch
 from torch import Tensor
 
-from .grpo import group_advantages, grpo_loss
+from echo2.models import spec as modelspec
+
+from .behaviour import logprob_problem
+from .grpo import LOSS_TYPES, Normaliser, batch_advantages, grpo_loss
 from .rows import Group, Sample
 
 logger = logging.getLogger(__name__)
@@ -63,17 +65,15 @@ class StepStats:
     mismatch_rows: int
     mismatch_mean: float
     mismatch_max: float
+    active_rows: int = 0  # rows that entered the loss (non-zero advantage, not masked, sound log-probs)
+    masked_truncated: int = 0  # rows left out by mask_truncated_completions
+    bad_rows: int = 0  # rows left out for a non-finite or below-floor behaviour log-prob
+    is_weight_mean: float = 1.0  # mean truncated importance weight (max_is_ratio > 0)
     mismatch_by_node: dict[str, float] = field(default_factory=dict)  # max per node id
     seconds: float = 0.0
 
     def as_dict(self) -> dict[str, Any]:
         return dict(self.__dict__)
-
-
-def _autocast(device: torch.device, dtype: torch.dtype) -> contextlib.AbstractContextManager[Any]:
-    if dtype == torch.float32:
-        return contextlib.nullcontext()
-    return torch.autocast(device_type=device.type, dtype=dtype)
 
 
 class Learner:
@@ -102,6 +102,13 @@ class Learner:
         micro_batch_tokens: int = 16384,
         device: str | torch.device | None = None,
         ref_model: torch.nn.Module | None = None,
+        epsilon_high: float = 0.0,
+        loss_type: str = "dapo",
+        scale_rewards: str = "group",
+        max_is_ratio: float = 0.0,
+        mask_truncated_completions: bool = False,
+        num_iterations: int = 1,
+        max_completion_length: int = 0,
     ) -> None:
         if dtype not in (torch.float32, torch.bfloat16, torch.float16):
             raise ValueError(f"unsupported compute dtype {dtype}")
@@ -109,6 +116,14 @@ class Learner:
             raise ValueError(f"unsupported publish dtype {publish_dtype}")
         if kl_coef and ref_model is None:
             raise ValueError("kl_coef > 0 needs a ref_model")
+        if loss_type not in LOSS_TYPES:
+            raise ValueError(f"loss_type must be one of {', '.join(LOSS_TYPES)}, not {loss_type!r}")
+        if loss_type == "dr_grpo" and max_completion_length < 1:
+            raise ValueError("loss_type dr_grpo needs max_completion_length (the hub's max_new_tokens)")
+        if scale_rewards not in ("group", "batch", "none"):
+            raise ValueError(f"scale_rewards must be group, batch or none, not {scale_rewards!r}")
+        if num_iterations < 1:
+            raise ValueError("num_iterations must be >= 1")
         # The update itself is deterministic; the seed is recorded (checkpoints) for the caller's
         # sampling, and the global torch RNG is left alone.
         self.device = torch.device(device) if device is not None else next(model.parameters()).device
@@ -118,7 +133,14 @@ class Learner:
         self.tok = tokenizer_handle
         self.pad_id = int(tokenizer_handle.pad_id)
         self.lr = lr
-        self.clip_eps = clip_eps
+        self.clip_eps = clip_eps  # TRL's epsilon
+        self.epsilon_high = epsilon_high if epsilon_high > 0 else clip_eps
+        self.loss_type = loss_type
+        self.scale_rewards = scale_rewards
+        self.max_is_ratio = max_is_ratio
+        self.mask_truncated_completions = mask_truncated_completions
+        self.num_iterations = num_iterations
+        self.max_completion_length = max_completion_length
         self.kl_coef = kl_coef
         self.temperature = float(temperature) if temperature > 0 else 1.0
         self.dtype = dtype
@@ -144,42 +166,12 @@ class Learner:
         dtype: torch.dtype | None = None,
     ) -> tuple[Tensor, Tensor]:
         """Teacher-forced log-probs of each row's completion: ``([B, Lc] logp, [B, Lc] mask)``,
-        computed in ``dtype`` (the learner's compute dtype unless given)."""
-        b = len(rows)
-        lens = [len(p) + len(c) for p, c in rows]
-        lc = max((len(c) for _, c in rows), default=0)
-        width = max(lens)
-        ids = torch.full((b, width), self.pad_id, dtype=torch.long)
-        attn = torch.zeros((b, width), dtype=torch.long)
-        # Index of the logit that predicts completion token j of row i: len(prompt_i) - 1 + j.
-        pred_pos = torch.zeros((b, max(lc, 1)), dtype=torch.long)
-        targets = torch.full((b, max(lc, 1)), self.pad_id, dtype=torch.long)
-        cmask = torch.zeros((b, max(lc, 1)), dtype=torch.float32)
-        for i, (p, c) in enumerate(rows):
-            if not p:
-                raise ValueError("empty prompt")
-            n = len(p) + len(c)
-            ids[i, :n] = torch.tensor(list(p) + list(c), dtype=torch.long)
-            attn[i, :n] = 1
-            k = len(c)
-            if k:
-                pred_pos[i, :k] = torch.arange(len(p) - 1, len(p) - 1 + k)
-                targets[i, :k] = torch.tensor(list(c), dtype=torch.long)
-                cmask[i, :k] = 1.0
-        pos = torch.arange(width, dtype=torch.long).unsqueeze(0).expand(b, width)
-        ids, attn, pos = ids.to(self.device), attn.to(self.device), pos.to(self.device)
-        pred_pos, targets, cmask = pred_pos.to(self.device), targets.to(self.device), cmask.to(self.device)
-        with _autocast(self.device, dtype or self.dtype):
-            out = model(input_ids=ids, attention_mask=attn, position_ids=pos, use_cache=False)
-        logits = out.logits
-        # Only the completion positions are needed: gather them before the vocab-wide softmax so
-        # a large-vocab model does not materialise [B, L, V] float32 twice.
-        hidden = logits.gather(1, pred_pos.unsqueeze(-1).expand(-1, -1, logits.shape[-1])).float()
-        scaled = hidden / self.temperature
-        lse = torch.logsumexp(scaled, dim=-1)
-        tok_logit = scaled.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
-        logp = (tok_logit - lse) * cmask
-        return logp[:, :lc], cmask[:, :lc]
+        computed in ``dtype`` (the learner's compute dtype unless given) by
+        :func:`echo2.models.spec.teacher_forced_batch`, the one implementation."""
+        return modelspec.teacher_forced_batch(
+            model, [(list(p), list(c)) for p, c in rows], pad_id=self.pad_id, temperature=self.temperature,
+            dtype=dtype or self.dtype, device=self.device,
+        )
 
     @torch.no_grad()
     def recompute_logprobs(self, prompt_ids: Sequence[int], completion_ids: Sequence[int]) -> list[float]:
@@ -230,90 +222,111 @@ class Learner:
     # ------------------------------------------------------------------ training
 
     def step(self, groups: Sequence[Group]) -> StepStats:
+        """One GRPO step over ``groups``: ``num_iterations`` optimiser passes (see grpo.py for the
+        loss). Rows that cannot teach (zero advantage, masked truncation, unsound behaviour
+        log-probs) enter no normaliser; a step where none can moves no weight (AdamW's momentum
+        and decay included) but still counts as a version."""
         t0 = time.perf_counter()
         v_before = self.version
         rows: list[tuple[list[int], list[int]]] = []
         behav: list[list[float]] = []
         advs: list[float] = []
+        active: list[bool] = []
+        sound_rows: list[bool] = []
         rewards: list[float] = []
         versions: list[int] = []
         nodes: list[str] = []
-        zero_groups = 0
-        for g in groups:
-            if not g.samples:
-                continue
-            r = torch.tensor([float(s.reward) for s in g.samples], dtype=torch.float64)
-            a = group_advantages(r)
+        zero_groups = masked_trunc = bad_rows = 0
+        kept = [g for g in groups if g.samples]
+        group_advs = batch_advantages(
+            [torch.tensor([float(s.reward) for s in g.samples], dtype=torch.float64) for g in kept], self.scale_rewards
+        )
+        for g, a in zip(kept, group_advs, strict=True):
             if bool((a == 0).all()):
                 zero_groups += 1
             for s, adv in zip(g.samples, a.tolist(), strict=True):
                 if len(s.token_ids) != len(s.logprobs):
                     raise ValueError("sample has token_ids and logprobs of different lengths")
+                sound = logprob_problem(s.logprobs) is None
+                if not sound:
+                    bad_rows += 1
+                    logger.warning("learner: row from %s has unsound behaviour log-probs; left out", s.node_id)
+                truncated = self.mask_truncated_completions and s.finish_reason == "length"
+                masked_trunc += int(truncated)
+                sound_rows.append(sound)
                 rows.append((list(g.prompt_ids), list(s.token_ids)))
-                behav.append([float(x) for x in s.logprobs])
+                # an unsound row's log-probs never reach a tensor: NaN * 0 is still NaN
+                behav.append([float(x) for x in s.logprobs] if sound else [0.0] * len(s.logprobs))
                 advs.append(float(adv))
+                active.append(sound and not truncated and adv != 0.0 and bool(s.token_ids))
                 rewards.append(float(s.reward))
                 versions.append(int(s.version))
                 nodes.append(s.node_id)
         if not rows:
             raise ValueError("step() needs at least one sample")
         total_tokens = sum(len(c) for _, c in rows)
+        norm = Normaliser(
+            self.loss_type, sum(active), sum(len(c) for (_, c), on in zip(rows, active, strict=True) if on),
+            self.max_completion_length,
+        )
+        chunks = list(self._micro_batches(rows))
 
-        self.optimizer.zero_grad(set_to_none=True)
-        acc: dict[str, float] = {"loss": 0.0, "pg": 0.0, "ratio": 0.0, "clip": 0.0, "klr": 0.0, "klb": 0.0}
+        acc: dict[str, float] = {"loss": 0.0, "pg": 0.0, "ratio": 0.0, "clip": 0.0, "klr": 0.0, "klb": 0.0, "isw": 0.0}
         ratio_max = 0.0
+        grad_norm = 0.0
         mismatch: list[tuple[int, float]] = []  # (row index, max abs diff)
-        for chunk in self._micro_batches(rows):
-            mb_rows = [rows[i] for i in chunk]
-            mb_tok = sum(len(c) for _, c in mb_rows)
-            if mb_tok == 0:
-                continue
-            logp_new, mask = self._batch_logprobs(self.model, mb_rows)
-            lb = torch.zeros_like(logp_new)
-            for j, i in enumerate(chunk):
-                if behav[i]:
-                    lb[j, : len(behav[i])] = torch.tensor(behav[i], dtype=lb.dtype)
-            logp_ref = None
-            if self.ref_model is not None:
-                with torch.no_grad():
-                    logp_ref, _ = self._batch_logprobs(self.ref_model, mb_rows)
-            adv_t = torch.tensor([advs[i] for i in chunk], dtype=torch.float32, device=self.device)
-            loss, st = grpo_loss(
-                logp_new,
-                lb,
-                adv_t,
-                mask,
-                clip_eps=self.clip_eps,
-                kl_coef=self.kl_coef,
-                logp_ref=logp_ref,
-                use_importance_ratio=self.use_importance_ratio,
-            )
-            w = mb_tok / total_tokens  # token share: sum of micro-batch means == global token mean
-            (loss * w).backward()
-            acc["loss"] += float(loss.detach()) * w
-            acc["pg"] += st.pg_loss * w
-            acc["ratio"] += st.ratio_mean * w
-            acc["clip"] += st.clip_frac * w
-            acc["klr"] += st.kl_ref * w
-            acc["klb"] += st.kl_behaviour * w
-            ratio_max = max(ratio_max, st.ratio_max)
-            with torch.no_grad():
-                diff = ((logp_new.detach() - lb).abs() * mask).max(dim=1).values
+        old: list[Tensor | None] = [None] * len(chunks)  # π_old: the first pass's log-probs, detached
+        ref: list[Tensor | None] = [None] * len(chunks)  # the frozen reference's, computed once
+        for it in range(self.num_iterations if norm.rows else 1):
+            self.optimizer.zero_grad(set_to_none=True)
+            for ci, chunk in enumerate(chunks):
+                mb_rows = [rows[i] for i in chunk]
+                if sum(len(c) for _, c in mb_rows) == 0:
+                    continue
+                logp_new, mask = self._batch_logprobs(self.model, mb_rows)
+                if it == 0:
+                    old[ci] = logp_new.detach()
+                lb = torch.zeros_like(logp_new)
                 for j, i in enumerate(chunk):
-                    if versions[i] == v_before and rows[i][1]:
-                        mismatch.append((i, float(diff[j])))
-
-        params = [p for p in self.model.parameters() if p.grad is not None]
-        if self.max_grad_norm and self.max_grad_norm > 0:
-            gn = torch.nn.utils.clip_grad_norm_(params, self.max_grad_norm)
-        else:
-            norms = [p.grad.detach().norm() for p in params if p.grad is not None]
-            gn = torch.linalg.vector_norm(torch.stack(norms)) if norms else torch.tensor(0.0)
-        grad_norm = float(gn)
-        if math.isfinite(grad_norm):
-            self.optimizer.step()
-        else:
-            logger.warning("learner: non-finite grad norm at version %d; step skipped", v_before)
+                    if behav[i]:
+                        lb[j, : len(behav[i])] = torch.tensor(behav[i], dtype=lb.dtype)
+                on = torch.tensor([active[i] for i in chunk], dtype=mask.dtype, device=self.device)
+                if it == 0 and self.ref_model is not None:
+                    with torch.no_grad():
+                        ref[ci], _ = self._batch_logprobs(self.ref_model, mb_rows)
+                logp_ref = ref[ci]
+                adv_t = torch.tensor([advs[i] for i in chunk], dtype=torch.float32, device=self.device)
+                loss, st = grpo_loss(
+                    logp_new, lb, adv_t, mask * on.unsqueeze(-1), clip_eps=self.clip_eps, kl_coef=self.kl_coef,
+                    logp_ref=logp_ref, use_importance_ratio=self.use_importance_ratio, epsilon_high=self.epsilon_high,
+                    logp_old=old[ci], max_is_ratio=self.max_is_ratio, norm=norm,
+                )
+                # the normaliser is the whole step's: micro-batch losses add up to the batch loss
+                loss.backward()
+                if it > 0:
+                    continue
+                w = st.tokens / max(norm.tokens, 1)  # token share, for the token-mean statistics
+                acc["loss"] += float(loss.detach())
+                acc["pg"] += st.pg_loss
+                acc["ratio"] += st.ratio_mean * w
+                acc["clip"] += st.clip_frac * w
+                acc["klr"] += st.kl_ref * w
+                acc["klb"] += st.kl_behaviour * w
+                acc["isw"] += st.is_weight_mean * w
+                ratio_max = max(ratio_max, st.ratio_max if st.tokens else 0.0)
+                with torch.no_grad():
+                    diff = ((logp_new.detach() - lb).abs() * mask).max(dim=1).values
+                    for j, i in enumerate(chunk):
+                        if versions[i] == v_before and rows[i][1] and sound_rows[i]:
+                            mismatch.append((i, float(diff[j])))
+            gn = self._clip_grads()
+            grad_norm = gn if it == 0 else grad_norm
+            if not norm.rows:
+                pass  # nothing could teach: a zero gradient would still move AdamW's state
+            elif math.isfinite(gn):
+                self.optimizer.step()
+            else:
+                logger.warning("learner: non-finite grad norm at version %d pass %d; pass skipped", v_before, it)
         self.optimizer.zero_grad(set_to_none=True)
         self.version += 1
 
@@ -327,7 +340,7 @@ class Learner:
             pg_loss=acc["pg"],
             reward_mean=float(rt.mean()),
             reward_std=float(rt.std(unbiased=False)),
-            ratio_mean=acc["ratio"],
+            ratio_mean=acc["ratio"] if norm.tokens else 1.0,
             ratio_max=ratio_max,
             clip_frac=acc["clip"],
             kl_ref=acc["klr"],
@@ -341,10 +354,21 @@ class Learner:
             mismatch_rows=len(mismatch),
             mismatch_mean=float(sum(d for _, d in mismatch) / len(mismatch)) if mismatch else 0.0,
             mismatch_max=max((d for _, d in mismatch), default=0.0),
+            active_rows=norm.rows,
+            masked_truncated=masked_trunc,
+            bad_rows=bad_rows,
+            is_weight_mean=acc["isw"] if norm.tokens else 1.0,
             mismatch_by_node=by_node,
             seconds=time.perf_counter() - t0,
         )
         return stats
+
+    def _clip_grads(self) -> float:
+        params = [p for p in self.model.parameters() if p.grad is not None]
+        if self.max_grad_norm and self.max_grad_norm > 0:
+            return float(torch.nn.utils.clip_grad_norm_(params, self.max_grad_norm))
+        norms = [p.grad.detach().norm() for p in params if p.grad is not None]
+        return float(torch.linalg.vector_norm(torch.stack(norms))) if norms else 0.0
 
     # ------------------------------------------------------------------ publishing / checkpoints
 

@@ -18,7 +18,7 @@ import trio
 
 from echo2.protocol.errors import Echo2Error
 
-from .config import HubConfig
+from .config import HubConfig, check_sampling
 from .dispatch import ReplayBuffer
 from .intake import TaskBook
 from .learner import Learner
@@ -40,6 +40,7 @@ def build_learner(cfg: HubConfig) -> tuple[Learner, Any, str, dict[str, bytes]]:
 
     from echo2.models import spec as modelspec
 
+    check_sampling(cfg)  # also for a HubConfig built in code, which never passed load_config
     torch.manual_seed(cfg.seed)
     dtype = torch.bfloat16 if cfg.dtype == "bfloat16" else torch.float32
     if cfg.model == "tiny":
@@ -54,7 +55,9 @@ def build_learner(cfg: HubConfig) -> tuple[Learner, Any, str, dict[str, bytes]]:
     learner = Learner(
         model, tok, lr=cfg.lr, clip_eps=cfg.epsilon, kl_coef=cfg.kl_coef, temperature=cfg.temperature, dtype=dtype,
         publish_dtype=torch.bfloat16 if cfg.publish_dtype == "bfloat16" else torch.float32, seed=cfg.seed,
-        ref_model=ref_model,
+        ref_model=ref_model, epsilon_high=cfg.epsilon_high, loss_type=cfg.loss_type, scale_rewards=cfg.scale_rewards,
+        max_is_ratio=cfg.max_is_ratio, mask_truncated_completions=cfg.mask_truncated_completions,
+        num_iterations=cfg.num_iterations, max_completion_length=cfg.max_new_tokens,
     )
     return learner, tok, model_config, artifacts
 
@@ -243,6 +246,12 @@ class Trainer:
                     "staleness_mean": stats.staleness_mean,
                     "mismatch_max": stats.mismatch_max,
                     "rows": stats.sequences,
+                    # rows that taught (non-zero advantage, not masked, sound log-probs) and why others did not
+                    "active_rows": stats.active_rows,
+                    "zero_adv_groups": stats.zero_adv_groups,
+                    "masked_truncated": stats.masked_truncated,
+                    "bad_rows": stats.bad_rows,
+                    "clip_frac": stats.clip_frac,
                     "train_s": round(t1 - t0, 4),
                     "busy_fraction": self.busy_fraction(),
                     "predicted_busy_fraction": predicted_busy(),

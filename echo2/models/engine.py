@@ -4,7 +4,9 @@ Contract (API.md, ``echo2.models.engine``): for every sampled token the engine r
 ``log_softmax(logits / T)[token]`` in float32, with top-p NOT applied, so the learner's
 teacher-forced recompute at the same temperature matches within ~1e-5 in fp32 and the hub can
 check a node's reported behaviour log-probs.  ``T == 0`` means greedy decoding; its log-probs are
-then reported at ``T = 1`` (what ``modelspec.teacher_forced_logprobs`` computes for T == 0).
+then reported at ``T = 1`` (what ``modelspec.teacher_forced_batch``, the one teacher-forced
+implementation, computes for T == 0). A hub only dispatches ``top_p == 1`` (its config refuses
+truncated sampling), so the reported log-probs are those of the distribution sampled from.
 The eos token is included in ``token_ids`` (with its log-prob) so the learner trains on stopping.
 Generation is deterministic for a (version, prompts, settings, seed) on one machine.
 

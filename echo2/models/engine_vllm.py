@@ -12,8 +12,9 @@ afterwards, since cached KV blocks were computed with the old weights.
 Log-probs: the engine is created with ``logprobs_mode="processed_logprobs"`` so the reported value
 is the log-prob after temperature scaling, which equals ``log_softmax(logits / T)[token]`` when
 ``top_p == 1`` (the usual RL setting).  With ``top_p < 1`` vLLM's processed log-probs are
-renormalised over the nucleus, which differs from the echo2 contract; the engine logs a warning
-and the hub's log-prob check will notice (known gap: dispatch vLLM nodes with top_p = 1).
+renormalised over the nucleus, which differs from the echo2 contract; the engine logs a warning.
+A hub never asks for it: hub.toml refuses ``top_p < 1`` and ``top_k > 0`` at load (issue 16,
+``config.check_sampling``), because the learner's ratio is of the untruncated distribution.
 Each (prompt, sample) is its own request with a seed derived from the task seed, so generation is
 reproducible for a seed (up to vLLM's batch-composition numerics).
 """

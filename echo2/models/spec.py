@@ -49,7 +49,7 @@ __all__ = [
     "BOS_TOKEN", "BYTE_VOCAB_SIZE", "EOS_TOKEN", "MAX_ARTIFACTS", "MAX_ARTIFACT_BYTES", "PAD_TOKEN",
     "SPECIAL_TOKENS", "SUPPORTED_MODEL_TYPES", "TokenizerHandle", "artifacts_for", "build_byte_tokenizer",
     "config_json", "hf_config_from_json", "load_local_model", "load_tokenizer", "model_from_config",
-    "parse_model_config", "teacher_forced_logprobs", "tiny_config", "tokenizer_json",
+    "parse_model_config", "teacher_forced_batch", "teacher_forced_logprobs", "tiny_config", "tokenizer_json",
 ]
 
 log = logging.getLogger(__name__)
@@ -260,24 +260,87 @@ def load_local_model(
     return model, model_config, artifacts
 
 
+#: positions whose vocabulary-wide float32 log-softmax is held at once (BRIEF section 11: SmolLM2's
+#: 49k vocabulary makes a [64, 96, V] float32 softmax 1.2 GB; 2048 positions are ~400 MB)
+LOGPROB_CHUNK_POSITIONS = 2048
+
+
+def _autocast(device: torch.device, dtype: torch.dtype | None) -> Any:
+    import contextlib
+
+    if dtype is None or dtype == torch.float32:
+        return contextlib.nullcontext()
+    return torch.autocast(device_type=device.type, dtype=dtype)
+
+
+def teacher_forced_batch(
+    model: torch.nn.Module,
+    rows: list[tuple[list[int], list[int]]] | Any,
+    *,
+    pad_id: int,
+    temperature: float,
+    dtype: torch.dtype | None = None,
+    device: torch.device | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """THE teacher-forced log-probs of each row's completion: ``([B, Lc] logp, [B, Lc] mask)``.
+
+    ``logp[i, j] = log_softmax(logits / T)[completion_i[j]]`` in float32 (T <= 0, greedy, is scored
+    at T = 1, as the engines report it), top-p not applied. Rows are *right* padded with plain
+    position ids ``0..n-1``: under a causal mask a real token never attends to a later padding
+    position, so each row's log-probs equal an unpadded forward pass's. The forward runs under
+    autocast when ``dtype`` is a half type. Only the completion positions' logits are gathered,
+    and the vocabulary-wide log-sum-exp runs over at most ``LOGPROB_CHUNK_POSITIONS`` of them at
+    a time. Gradients flow unless the caller disables them.
+    """
+    if device is None:
+        device = next(model.parameters()).device
+    t = float(temperature) if temperature > 0 else 1.0
+    b = len(rows)
+    lc = max((len(c) for _, c in rows), default=0)
+    width = max(len(p) + len(c) for p, c in rows)
+    ids = torch.full((b, width), pad_id, dtype=torch.long)
+    attn = torch.zeros((b, width), dtype=torch.long)
+    # Index of the logit that predicts completion token j of row i: len(prompt_i) - 1 + j.
+    pred_pos = torch.zeros((b, max(lc, 1)), dtype=torch.long)
+    targets = torch.full((b, max(lc, 1)), pad_id, dtype=torch.long)
+    cmask = torch.zeros((b, max(lc, 1)), dtype=torch.float32)
+    for i, (p, c) in enumerate(rows):
+        if not p:
+            raise ValueError("teacher_forced_logprobs: empty prompt")
+        n = len(p) + len(c)
+        ids[i, :n] = torch.tensor(list(p) + list(c), dtype=torch.long)
+        attn[i, :n] = 1
+        k = len(c)
+        if k:
+            pred_pos[i, :k] = torch.arange(len(p) - 1, len(p) - 1 + k)
+            targets[i, :k] = torch.tensor(list(c), dtype=torch.long)
+            cmask[i, :k] = 1.0
+    pos = torch.arange(width, dtype=torch.long).unsqueeze(0).expand(b, width)
+    ids, attn, pos = ids.to(device), attn.to(device), pos.to(device)
+    pred_pos, targets, cmask = pred_pos.to(device), targets.to(device), cmask.to(device)
+    with _autocast(device, dtype):
+        logits = model(input_ids=ids, attention_mask=attn, position_ids=pos, use_cache=False).logits
+    step = max(1, LOGPROB_CHUNK_POSITIONS // max(b, 1))
+    parts = []
+    for j0 in range(0, pred_pos.shape[1], step):
+        pp = pred_pos[:, j0 : j0 + step]
+        h = logits.gather(1, pp.unsqueeze(-1).expand(-1, -1, logits.shape[-1])).float() / t
+        tok = h.gather(-1, targets[:, j0 : j0 + step].unsqueeze(-1)).squeeze(-1)
+        parts.append(tok - torch.logsumexp(h, dim=-1))
+    logp = torch.cat(parts, dim=1) * cmask
+    return logp[:, :lc], cmask[:, :lc]
+
+
 @torch.inference_mode()
 def teacher_forced_logprobs(
     model: torch.nn.Module, prompt_ids: list[int], completion_ids: list[int], temperature: float
 ) -> list[float]:
-    """Reference log-probs of ``completion_ids`` after ``prompt_ids`` (one unpadded forward).
-
-    logprob_i = log_softmax(logits_i / T)[token_i] in float32, top-p not applied; T == 0 (greedy)
-    is scored at T = 1, matching what the engines report.
-    """
+    """Reference log-probs of ``completion_ids`` after ``prompt_ids``: one row of
+    :func:`teacher_forced_batch` (the one place they are computed), in the model's own dtype."""
     if not prompt_ids:
         raise ValueError("teacher_forced_logprobs: empty prompt")
     if not completion_ids:
         return []
-    t = float(temperature) if temperature > 0 else 1.0
-    device = next(model.parameters()).device
-    ids = torch.tensor([list(prompt_ids) + list(completion_ids)], dtype=torch.long, device=device)
-    logits = model(input_ids=ids, use_cache=False).logits[0].float()
-    n = len(prompt_ids)
-    lp = torch.log_softmax(logits[n - 1 : -1] / t, dim=-1)
-    target = ids[0, n:]
-    return [float(x) for x in lp.gather(1, target[:, None])[:, 0].tolist()]
+    pad = int(getattr(getattr(model, "config", None), "pad_token_id", None) or 0)
+    logp, _ = teacher_forced_batch(model, [(list(prompt_ids), list(completion_ids))], pad_id=pad, temperature=temperature)
+    return [float(x) for x in logp[0].tolist()]
