@@ -209,7 +209,16 @@ def load_config(path: str | Path) -> HubConfig:
     cfg = _convert(hub, str(p))
     if not Path(cfg.dir).is_absolute():
         cfg.dir = str((p.parent / cfg.dir).resolve())
+    cfg.reward_funcs = [_relative_to(p.parent, spec) for spec in cfg.reward_funcs]
     return cfg
+
+
+def _relative_to(base: Path, spec: str) -> str:
+    """A reward file ("file.py:func") is named relative to hub.toml, like dir."""
+    where, sep, name = spec.rpartition(":")
+    if not sep or not where.endswith(".py") or Path(where).is_absolute():
+        return spec
+    return f"{(base / where).resolve()}:{name}"
 
 
 def render_config(cfg: HubConfig) -> str:

@@ -1,8 +1,9 @@
 """The learner hub: the rooms, wired to the network.
 
 A Result's path, top to bottom: :meth:`Hub.on_result` opens the envelope (signature, replay,
-signer admitted), :mod:`.intake` judges it (rows with rewards, a refusal, or a punishment),
-:mod:`.storeworker` and the ledger record it, and :mod:`.training` trains on its rows. The
+signer admitted), :mod:`.intake` judges it (rows, a refusal, or a punishment), :mod:`.rewards`
+scores the rows in worker threads, :mod:`.storeworker` and the ledger record it, and
+:mod:`.training` trains on its rows. The
 other rooms: :mod:`.fleet` (admission, reputation, activation, capacity) and the publisher and
 sender that move each new version to the nodes. Nothing here blocks the trio loop: SQLite runs
 in the store's thread, the learner and packing in worker threads.
@@ -50,7 +51,9 @@ from .ledger import Ledger
 from .outbox import Outbox
 from .publisher import PolicyPublisher, StarSender
 from .reputation import Event
-from .rows import encode_groups
+from .rewards import RewardRunner, TrainerState, apply_scores, batch_of, load_reward_funcs
+from .rewards_builtin import builtin_reward_spec
+from .rows import Group, encode_groups
 from .serve import serve
 from .store import HubStore
 from .storeworker import StoreWorker
@@ -73,8 +76,10 @@ class Hub:
         ))
         self.intake = Intake(
             self.dispatcher, TaskParams(cfg.group_size, cfg.max_new_tokens, cfg.temperature, cfg.top_p),
-            vocab_size=self.tok.vocab_size, stop_ids=self.tok.stop_ids, decode=self.tok.decode, reward=self.env.reward,
+            vocab_size=self.tok.vocab_size, stop_ids=self.tok.stop_ids, decode=self.tok.decode,
         )
+        funcs, weights = load_reward_funcs(cfg.reward_funcs or [builtin_reward_spec(cfg.task)], cfg.reward_weights)
+        self.rewards = RewardRunner(funcs, weights, cfg.reward_timeout_s)
         # A3: replay state per admitted signer; admission requests (strangers) get a small pool that evicts
         self.replay, self.gossip_replay = envelope.PeerReplay(), envelope.PeerReplay(window_s=300.0, per_peer=256)
         self.admission_replay = envelope.ReplayGuard(max_entries=10_000, evict=True)
@@ -189,18 +194,34 @@ class Hub:
                 self.ledger.refuse(peer, verdict.code)
                 self._pump()
             raise verdict.error
-        # store: the result and its ledger entry in one durable transaction, queued before the rows
-        # can be trained (and marked so), committed before the node hears "accepted"
-        pending = self.store.request(HubStore.record_accepted, r.task_id, peer, r.version, tokens=tokens, rollouts=n,
-                                     received_at=now, payload=encode_groups(verdict.rows),
-                                     price_micro=self.fleet.task_price_micro(r.task_id, peer))
-        self.ledger.accept(peer, n, tokens)
-        self.reputation.record(peer, Event.ACCEPTED)
-        node.tasks_done, node.rollouts, node.tokens = node.tasks_done + 1, node.rollouts + n, node.tokens + tokens
-        self.trainer.add(r.task_id, verdict.rows, r.version)
-        self.outbox.feed()
+        # The dispatcher has accepted: the rest of the accept path runs even if the node's request
+        # gives up meanwhile (cancelled halfway, an accepted result would never be stored). The
+        # scoring inside is bounded by reward_timeout_s.
+        with trio.CancelScope(shield=True):
+            rows = await self._score(verdict)
+            if peer in self.fleet.banned:
+                rows = []  # banned while its rows were scored: drop_rows_of has run already
+            # store: the result and its ledger entry in one durable transaction, queued before the
+            # rows can be trained (and marked so), committed before the node hears "accepted"
+            pending = self.store.request(HubStore.record_accepted, r.task_id, peer, r.version, tokens=tokens, rollouts=n,
+                                         received_at=now, payload=encode_groups(rows),
+                                         price_micro=self.fleet.task_price_micro(r.task_id, peer))
+            self.ledger.accept(peer, n, tokens)
+            self.reputation.record(peer, Event.ACCEPTED)
+            node.tasks_done, node.rollouts, node.tokens = node.tasks_done + 1, node.rollouts + n, node.tokens + tokens
+            self.trainer.add(r.task_id, rows, r.version)
+            self.outbox.feed()
         await pending.wait()
         return envelope.seal(self.identity, ErrorReply(code="ok", message="accepted"))
+
+    async def _score(self, verdict: Accept) -> list[Group]:
+        """The accepted rows with their rewards; completions the reward functions could not score
+        are left out, and so is a group left with fewer than two (counted in status.rewards)."""
+        batch = batch_of(verdict.rows, [g.item for g in verdict.task.groups], verdict.texts)
+        state = TrainerState(global_step=self.learner.version, max_steps=self.cfg.steps)
+        rows, dropped = apply_scores(verdict.rows, await self.rewards.score(batch, state))
+        self.rewards.groups_dropped += dropped
+        return rows
 
     async def on_decline(self, peer: str, data: bytes) -> bytes:
         d = envelope.open_envelope(data, TaskDecline, replay=self.replay, allowed=self._signed_by(peer)).message

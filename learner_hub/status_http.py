@@ -133,6 +133,13 @@ def hub_metrics(status: Mapping[str, Any]) -> list[Metric]:
     if isinstance(refused, Mapping):
         samples = [({"reason": str(k)}, float(v)) for k, v in sorted(refused.items()) if _num(v) is not None]
         ms.append(Metric("echo2_results_refused_total", "counter", "Results and requests refused, by reason.", samples))
+    rw = status.get("rewards")
+    if isinstance(rw, Mapping) and isinstance(rw.get("excluded_by_reason"), Mapping):
+        samples = [({"reason": str(k)}, float(v)) for k, v in sorted(rw["excluded_by_reason"].items()) if _num(v) is not None]
+        ms.append(Metric("echo2_reward_excluded_total", "counter", "Completions the reward functions could not score, by reason.", samples))
+        v = _num(rw.get("completions_scored"))
+        if v is not None:
+            ms.append(Metric("echo2_reward_scored_total", "counter", "Completions given a reward.", [({}, v)]))
     stale = _num(status.get("stale_dropped"))
     if stale is not None:
         ms.append(Metric("echo2_results_stale_dropped_total", "counter", "Results dropped as too stale.", [({}, stale)]))
