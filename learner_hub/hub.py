@@ -12,7 +12,9 @@ in the store's thread, the learner and packing in worker threads.
 from __future__ import annotations
 
 import gc
+import logging
 import os
+import random
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -44,6 +46,7 @@ from .broadcast import PeerInfo, PipelinedSender, StarWithHolds
 from .config import HubConfig
 from .dispatch import DispatchConfig, Dispatcher
 from .envs import make_env
+from .evaluation import EVAL_SEED, Evaluator
 from .fleet import Fleet, NodeInfo
 from .hubstatus import hub_status, write_status, write_status_file
 from .intake import Accept, Intake, Punish, TaskParams, result_tokens
@@ -51,7 +54,7 @@ from .ledger import Ledger
 from .outbox import Outbox
 from .publisher import PolicyPublisher, StarSender
 from .reputation import Event
-from .rewards import RewardRunner, TrainerState, apply_scores, batch_of, load_reward_funcs
+from .rewards import RewardRunner, Scored, TrainerState, apply_scores, batch_of, load_reward_funcs
 from .rewards_builtin import builtin_reward_spec
 from .rows import Group, encode_groups
 from .serve import serve
@@ -60,6 +63,8 @@ from .storeworker import StoreWorker
 from .training import Trainer, build_learner
 
 NODE_SILENCE_S = 3 * WORK_POLL_S + 15.0
+
+log = logging.getLogger(__name__)
 
 
 class Hub:
@@ -98,6 +103,8 @@ class Hub:
                            self.publisher, self.trainer)
         self.fleet.on_ban, self.activate = self._banned, self.fleet.activate
         self.outbox = Outbox(cfg, self.identity, self.env, self.tok, self.intake, self.trainer, self.fleet, self.store)
+        self.evaluator = self._evaluator()
+        self.outbox.evaluator = self.evaluator if self.evaluator.enabled else None
         self.learner, self.buffer, self.history = learner, self.trainer.buffer, self.trainer.history
         self.nodes, self.reputation = self.fleet.nodes, self.fleet.reputation
         self.loop_lag = LoopLag()
@@ -112,6 +119,17 @@ class Hub:
         self.resumed_from, self.restored_results = self.trainer.resume()
 
     # the fleet's decisions, as tests and the status page read them
+    def _evaluator(self) -> Evaluator:
+        cfg = self.cfg
+        # held-out prompts: a built-in task's own generator on a fixed seed apart from training's
+        # (a dataset's eval split replaces them once the recipe provides eval_items)
+        items = self.env.sample_prompts(cfg.eval_max_prompts, random.Random(EVAL_SEED)) if cfg.eval_every else []
+        return Evaluator(
+            items, [self.tok.encode(it.text, add_bos=True) for it in items], every=cfg.eval_every, steps=cfg.steps,
+            pass_threshold=cfg.eval_pass_threshold, group_size=self.outbox.eval_params.group_size,
+            started=self.trainer.started, history=self.store.evaluations(),
+        )
+
     @property
     def active(self) -> set[str] | None:
         return self.fleet.active
@@ -197,6 +215,8 @@ class Hub:
         # The dispatcher has accepted: the rest of the accept path runs even if the node's request
         # gives up meanwhile (cancelled halfway, an accepted result would never be stored). The
         # scoring inside is bounded by reward_timeout_s.
+        if self.dispatcher.eval_handled(r.task_id):
+            return await self._eval_result(peer, r, verdict, now, tokens)
         with trio.CancelScope(shield=True):
             rows = await self._score(verdict)
             if peer in self.fleet.banned:
@@ -210,6 +230,29 @@ class Hub:
             self.reputation.record(peer, Event.ACCEPTED)
             node.tasks_done, node.rollouts, node.tokens = node.tasks_done + 1, node.rollouts + n, node.tokens + tokens
             self.trainer.add(r.task_id, rows, r.version)
+            self.outbox.feed()
+        await pending.wait()
+        return envelope.seal(self.identity, ErrorReply(code="ok", message="accepted"))
+
+    async def _eval_result(self, peer: str, r: Result, verdict: Accept, now: float, tokens: int) -> bytes:
+        """An accepted eval result: scored, recorded in its evaluation, never trained. The node
+        did the work the hub asked for, so it is stored and credited like a rollout result
+        (the ledger pays for eval rollouts too)."""
+        node, n = self.nodes[peer], len(r.completions)
+        with trio.CancelScope(shield=True):
+            batch = batch_of(verdict.rows, [g.item for g in verdict.task.groups], verdict.texts)
+            scored: Scored = await self.rewards.score(batch, TrainerState(self.learner.version, self.cfg.steps))
+            # an empty payload: nothing of it may be restored into training after a restart
+            pending = self.store.request(HubStore.record_accepted, r.task_id, peer, r.version, tokens=tokens, rollouts=n,
+                                         received_at=now, payload=encode_groups([]),
+                                         price_micro=self.fleet.task_price_micro(r.task_id, peer))
+            self.store.submit(HubStore.drop_pending, [r.task_id], "eval")
+            self.ledger.accept(peer, n, tokens)  # eval rollouts are paid work: credited as rollouts
+            self.reputation.record(peer, Event.ACCEPTED)
+            node.tasks_done, node.rollouts, node.tokens = node.tasks_done + 1, node.rollouts + n, node.tokens + tokens
+            self.intake.book.buffered(r.task_id, 0)  # nothing buffered: the book forgets the task
+            for rec in self.evaluator.add(verdict.task.groups, scored, r.version):
+                self.store.submit(HubStore.record_eval, rec, time.time())
             self.outbox.feed()
         await pending.wait()
         return envelope.seal(self.identity, ErrorReply(code="ok", message="accepted"))
@@ -276,8 +319,22 @@ class Hub:
     async def learner_loop(self) -> None:
         await self.trainer.run(self.outbox.feed, self.fleet.checked, self.fleet.predicted_busy_fraction,
                                self.fleet.persist_job, self.write_status)
+        await self._final_evaluation()
         await self.write_status(final=True)
         self.done.set()
+
+    async def _final_evaluation(self) -> None:
+        """Wait (bounded) for the evaluation of the last step: the run's "after" figure."""
+        ev, last = self.evaluator, self.learner.version
+        if not ev.enabled:
+            return
+        self._pump()  # starts it if due
+        limit = max(120.0, 4 * self.cfg.task_deadline_s)
+        with trio.move_on_after(limit):
+            while ev.pending(last):
+                await trio.sleep(0.2)
+            return
+        log.warning("evaluation at step %d not complete after %.0f s; the hub stops without it", last, limit)
 
     async def publish(self) -> None:
         await self.trainer.publish()

@@ -72,6 +72,8 @@ def hub_status(hub: Hub) -> dict[str, Any]:
         "verification": {"rows_checked": tr.verifier.rows_checked, "rows_rejected": tr.verifier.rows_rejected},
         # the operator's reward functions: completions scored, and those excluded by reason
         "rewards": hub.rewards.report(),
+        # evaluations through the swarm: {"history": [{"step", "wall_s", "mean_reward", "accuracy", "n"}...], "latest"}
+        "eval": hub.evaluator.report(),
         # replay state by pool: admitted peers' never shares room with strangers' (A3)
         "replay_guards": {
             "admitted": {"entries": len(hub.replay), "max_entries": hub.replay.per_peer * hub.replay.max_peers},

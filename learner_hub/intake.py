@@ -164,13 +164,22 @@ class Intake:
     # --- tasks out ---------------------------------------------------------------------------------
     def issue(self, now: float, consume_step: int, nodes: Iterable[str], seed: Callable[[], int]) -> list[Task]:
         """Tasks for the nodes in ``nodes`` (those present and fresh enough), to sign and send."""
-        present = set(nodes)
+        return self._tasks(self.dispatcher.next_tasks(now, consume_step), set(nodes), seed, self.params)
+
+    def issue_eval(
+        self, now: float, version: int, holders: Iterable[str], seed: Callable[[], int], params: TaskParams
+    ) -> list[Task]:
+        """Eval tasks (their own group size and temperature) for nodes holding ``version``."""
+        present = set(holders)
+        return self._tasks(self.dispatcher.next_eval_tasks(now, version, present), present, seed, params)
+
+    def _tasks(self, assignments: list[TaskAssignment], present: set[str], seed: Callable[[], int],
+               p: TaskParams) -> list[Task]:
         out = []
-        for a in self.dispatcher.next_tasks(now, consume_step):
+        for a in assignments:
             if a.node_id not in present:
                 self.node_left(a.node_id)
                 continue
-            p = self.params
             task = Task(
                 task_id=a.task_id, node_id=a.node_id, prompts=a.prompts, group_size=p.group_size,
                 max_new_tokens=p.max_new_tokens, temperature=p.temperature, top_p=p.top_p, seed=seed(),
