@@ -73,6 +73,9 @@ class Hub:
         self.dir = Path(cfg.dir)
         self.dir.mkdir(mode=0o700, parents=True, exist_ok=True)
         self.identity = load_or_create_identity(self.dir / "hub.key")
+        # the operator's reward code first: a bad spec is reported before a model is loaded
+        funcs, weights = load_reward_funcs(cfg.reward_funcs or [builtin_reward_spec(cfg.task)], cfg.reward_weights)
+        self.rewards = RewardRunner(funcs, weights, cfg.reward_timeout_s)
         learner, self.tok, self.model_config, self.artifacts = build_learner(cfg)
         self.env = make_env(cfg.task, **({"path": cfg.dataset.path} if cfg.task == "jsonl" else {}))
         self.dispatcher = Dispatcher(DispatchConfig(
@@ -83,8 +86,6 @@ class Hub:
             self.dispatcher, TaskParams(cfg.group_size, cfg.max_new_tokens, cfg.temperature, cfg.top_p),
             vocab_size=self.tok.vocab_size, stop_ids=self.tok.stop_ids, decode=self.tok.decode,
         )
-        funcs, weights = load_reward_funcs(cfg.reward_funcs or [builtin_reward_spec(cfg.task)], cfg.reward_weights)
-        self.rewards = RewardRunner(funcs, weights, cfg.reward_timeout_s)
         # A3: replay state per admitted signer; admission requests (strangers) get a small pool that evicts
         self.replay, self.gossip_replay = envelope.PeerReplay(), envelope.PeerReplay(window_s=300.0, per_peer=256)
         self.admission_replay = envelope.ReplayGuard(max_entries=10_000, evict=True)

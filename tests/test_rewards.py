@@ -266,3 +266,15 @@ def test_good_reward_function_through_a_real_hub(tmp_path: Path) -> None:
             ids = s.token_ids[:-1] if s.finish_reason == "stop" else s.token_ids
             assert s.reward == -abs(20 - len(hub.tok.decode(ids)))
     hub.store.close()
+
+
+def test_bad_reward_spec_is_a_clear_startup_error(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from echo2.cli import main
+
+    (tmp_path / "hub.toml").write_text('[hub]\ndir = "h"\nreward_funcs = ["nothere.py:f"]\n')
+    assert main(["hub", "run", "--config", str(tmp_path / "hub.toml")]) == 1
+    err = capsys.readouterr().err
+    assert "nothere.py" in err and "no file" in err and "Traceback" not in err
+    (tmp_path / "hub.toml").write_text(f'[hub]\ndir = "h"\nreward_funcs = ["{EXAMPLES}:reward_len"]\nreward_weights = [1.0, 2.0]\n')
+    assert main(["hub", "run", "--config", str(tmp_path / "hub.toml")]) == 1
+    assert "reward_weights has 2 entries" in capsys.readouterr().err
