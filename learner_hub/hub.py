@@ -230,7 +230,11 @@ class Hub:
             self.ledger.accept(peer, n, tokens)
             self.reputation.record(peer, Event.ACCEPTED)
             node.tasks_done, node.rollouts, node.tokens = node.tasks_done + 1, node.rollouts + n, node.tokens + tokens
-            self.trainer.add(r.task_id, rows, r.version)
+            if rows:
+                self.trainer.add(r.task_id, rows, r.version)
+            else:  # nothing the reward functions could score: nothing to train or restore
+                self.intake.book.buffered(r.task_id, 0)
+                self.store.submit(HubStore.drop_pending, [r.task_id], "reward_excluded")
             self.outbox.feed()
         await pending.wait()
         return envelope.seal(self.identity, ErrorReply(code="ok", message="accepted"))

@@ -206,6 +206,7 @@ def test_bad_reward_functions_through_a_real_hub(tmp_path: Path) -> None:
     from test_hub_results import admit, run_task, take_task
 
     from echo2.learner_hub.hub import Hub
+    from echo2.learner_hub.store import HubStore
     from echo2.protocol import envelope
     from echo2.protocol.identity import Identity
 
@@ -222,11 +223,12 @@ def test_bad_reward_functions_through_a_real_hub(tmp_path: Path) -> None:
     hub = Hub(cfg)
     node = Identity.generate()
     assert admit(hub, node).admitted
-    n = 0
+    n, done = 0, []
     for _ in range(2):
         task = take_task(hub, node)
         result = run_task(hub, node, task)
         n += len(result.completions)
+        done.append(task.task_id)
         trio.run(hub.on_result, node.peer_id, envelope.seal(node, result))
     st = hub.status()
     assert hub.dispatcher.stats.accepted == 2 and len(hub.buffer) == 0
@@ -235,6 +237,9 @@ def test_bad_reward_functions_through_a_real_hub(tmp_path: Path) -> None:
     assert {(f["function"], f["reason"]) for f in st["rewards"]["failures"]} == {
         ("raises", "raised"), ("hangs", "timeout"), ("short", "wrong_length"), ("nan", "nonfinite")}
     assert st["rewards"]["groups_dropped"] >= 2
+    assert not any(t in hub.intake.book for t in done)  # nothing left waiting for rows that will never come
+    hub.store.flush()
+    assert hub.store.call_sync(HubStore.pending_results) == []  # nothing to restore into training
     # metrics carry the counts
     from echo2.learner_hub.status_http import hub_metrics, render_metrics
 
