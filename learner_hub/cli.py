@@ -91,7 +91,11 @@ def _run(args: argparse.Namespace) -> int:
         return 1
     from echo2.learner_hub.hub import run_hub
 
-    return run_hub(cfg)
+    try:
+        return run_hub(cfg)
+    except ConfigError as exc:  # found while building the hub (a reward function, a dataset file)
+        print(f"echo2 hub run: {exc.message}", file=sys.stderr)
+        return 1
 
 
 def _store(d: Path):  # type: ignore[no-untyped-def]

@@ -220,7 +220,22 @@ def load_config(path: str | Path) -> HubConfig:
     cfg = _convert(hub, str(p))
     if not Path(cfg.dir).is_absolute():
         cfg.dir = str((p.parent / cfg.dir).resolve())
+    cfg.reward_funcs = [_relative_to(p.parent, spec) for spec in cfg.reward_funcs]
+    # dataset files are named relative to hub.toml too (an eval_split that names a file beside it)
+    ds = cfg.dataset
+    if ds.path and not Path(ds.path).is_absolute():
+        ds.path = str((p.parent / ds.path).resolve())
+    if ds.eval_split and not Path(ds.eval_split).is_absolute() and (p.parent / ds.eval_split).is_file():
+        ds.eval_split = str((p.parent / ds.eval_split).resolve())
     return cfg
+
+
+def _relative_to(base: Path, spec: str) -> str:
+    """A reward file ("file.py:func") is named relative to hub.toml, like dir."""
+    where, sep, name = spec.rpartition(":")
+    if not sep or not where.endswith(".py") or Path(where).is_absolute():
+        return spec
+    return f"{(base / where).resolve()}:{name}"
 
 
 def render_config(cfg: HubConfig) -> str:

@@ -183,6 +183,10 @@ class Dispatcher:
         # node's closed task is still recognised as a forged binding, not a harmless duplicate.
         self._closed: OrderedDict[str, tuple[VerdictCode, str]] = OrderedDict()
         self.stats = DispatchStats()
+        # evaluation prompts (learner_hub/evaluation.py): their own queue, since a task carries one
+        # group size and temperature; the ids of eval tasks in flight or accepted and not yet handled
+        self.eval_queue: deque[PromptGroup] = deque()
+        self.eval_tasks: set[str] = set()
 
     # ---- queue and nodes -------------------------------------------------------------------
     def submit(self, groups: Iterable[PromptGroup]) -> None:
@@ -269,14 +273,49 @@ class Dispatcher:
                 progress = True
         return out
 
-    def _make_task(self, now: float, st: NodeState, min_version: int, max_groups: int | None = None) -> TaskAssignment:
+    def next_eval_tasks(self, now: float, min_version: int, holders: Iterable[str]) -> list[TaskAssignment]:
+        """Tasks from the eval queue for the active nodes in ``holders`` (those holding the
+        evaluated version), fastest first, before any training task: an evaluation is waited for."""
         cfg = self.config
+        out: list[TaskAssignment] = []
+        wanted = set(holders)
+        order = sorted((st for st in self.nodes.values() if st.active and st.node_id in wanted),
+                       key=lambda s: (-self.planning_rate(s.node_id), s.node_id))
+        total_rate = sum(self.planning_rate(st.node_id) for st in order) or 1.0
+        queued, progress = len(self.eval_queue), True
+        while self.eval_queue and progress:
+            progress = False
+            for st in order:
+                if not self.eval_queue:
+                    break
+                if len(st.in_flight) >= (1 if st.claimed else cfg.max_in_flight_per_node):
+                    continue
+                share = max(1, math.ceil(queued * self.planning_rate(st.node_id) / total_rate))
+                task = self._make_task(now, st, min_version, share, queue=self.eval_queue)
+                self.eval_tasks.add(task.task_id)
+                out.append(task)
+                progress = True
+        return out
+
+    def eval_handled(self, task_id: str) -> bool:
+        """True (once) for an accepted eval task: the hub scores it and forgets it."""
+        if task_id in self.eval_tasks and task_id not in self.in_flight:
+            self.eval_tasks.discard(task_id)
+            return True
+        return False
+
+    def _make_task(
+        self, now: float, st: NodeState, min_version: int, max_groups: int | None = None,
+        queue: deque[PromptGroup] | None = None,
+    ) -> TaskAssignment:
+        cfg = self.config
+        q = self.queue if queue is None else queue
         budget = st.rate * cfg.target_task_s  # rollouts the node should do in target_task_s
         cap = cfg.max_prompts_per_task if max_groups is None else min(cfg.max_prompts_per_task, max(1, max_groups))
-        groups: list[PromptGroup] = [self.queue.popleft()]
+        groups: list[PromptGroup] = [q.popleft()]
         n = groups[0].group_size
-        while self.queue and len(groups) < cap and n + self.queue[0].group_size <= budget:
-            g = self.queue.popleft()
+        while q and len(groups) < cap and n + q[0].group_size <= budget:
+            g = q.popleft()
             groups.append(g)
             n += g.group_size
         expected = n / st.rate
@@ -334,7 +373,8 @@ class Dispatcher:
         late = now > task.deadline
         # The work was done either way, so the timing is a valid rate observation.
         self._observe_rate(now, task)
-        if not admissible(result_version, learner_version, self.config.staleness):
+        # an eval result is never trained: its version was fixed by min_version, staleness is moot
+        if task_id not in self.eval_tasks and not admissible(result_version, learner_version, self.config.staleness):
             # Stale rollouts are useless to the learner, but the prompts still need rollouts.
             self._close(task, VerdictCode.DUPLICATE, requeue=True)
             self.stats.stale_dropped += 1
@@ -423,7 +463,11 @@ class Dispatcher:
         while len(self._closed) > self.config.closed_memory:
             self._closed.popitem(last=False)
         if requeue:
-            self.queue.extendleft(reversed(task.groups))
+            if task.task_id in self.eval_tasks:
+                self.eval_tasks.discard(task.task_id)
+                self.eval_queue.extendleft(reversed(task.groups))
+            else:
+                self.queue.extendleft(reversed(task.groups))
             self.stats.requeued_groups += len(task.groups)
 
 

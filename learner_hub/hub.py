@@ -1,8 +1,9 @@
 """The learner hub: the rooms, wired to the network.
 
 A Result's path, top to bottom: :meth:`Hub.on_result` opens the envelope (signature, replay,
-signer admitted), :mod:`.intake` judges it (rows with rewards, a refusal, or a punishment),
-:mod:`.storeworker` and the ledger record it, and :mod:`.training` trains on its rows. The
+signer admitted), :mod:`.intake` judges it (rows, a refusal, or a punishment), :mod:`.rewards`
+scores the rows in worker threads, :mod:`.storeworker` and the ledger record it, and
+:mod:`.training` trains on its rows. The
 other rooms: :mod:`.fleet` (admission, reputation, activation, capacity) and the publisher and
 sender that move each new version to the nodes. Nothing here blocks the trio loop: SQLite runs
 in the store's thread, the learner and packing in worker threads.
@@ -11,6 +12,7 @@ in the store's thread, the learner and packing in worker threads.
 from __future__ import annotations
 
 import gc
+import logging
 import os
 import time
 from collections.abc import Callable
@@ -42,7 +44,7 @@ from echo2.protocol.wire import MAX_RESULT, WORK_POLL_S
 from .broadcast import PeerInfo, PipelinedSender, StarWithHolds
 from .config import HubConfig
 from .dispatch import DispatchConfig, Dispatcher
-from .envs import make_env
+from .evaluation import Evaluator
 from .fleet import Fleet, NodeInfo
 from .hubstatus import hub_status, write_status, write_status_file
 from .intake import Accept, Intake, Punish, TaskParams, result_tokens
@@ -51,13 +53,16 @@ from .outbox import Outbox
 from .publisher import PolicyPublisher, StarSender
 from .recipe import build_recipe
 from .reputation import Event
-from .rows import encode_groups
+from .rewards import RewardRunner, Scored, TrainerState, apply_scores, batch_of, load_reward_funcs
+from .rows import Group, encode_groups
 from .serve import serve
 from .store import HubStore
 from .storeworker import StoreWorker
 from .training import Trainer, build_learner
 
 NODE_SILENCE_S = 3 * WORK_POLL_S + 15.0
+
+log = logging.getLogger(__name__)
 
 
 class Hub:
@@ -66,16 +71,21 @@ class Hub:
         self.dir = Path(cfg.dir)
         self.dir.mkdir(mode=0o700, parents=True, exist_ok=True)
         self.identity = load_or_create_identity(self.dir / "hub.key")
+        # the operator's reward code first: a bad spec is reported before a model is loaded
+        if cfg.reward_funcs:
+            load_reward_funcs(cfg.reward_funcs, cfg.reward_weights)
         learner, self.tok, self.model_config, self.artifacts = build_learner(cfg)
+        # the recipe: prompts (dataset, built-in task or verifiers environment) and its reward functions
         self.recipe = build_recipe(cfg, self.tok, self.artifacts)
-        self.env = make_env(cfg.task, **({"path": cfg.dataset.path} if cfg.task == "jsonl" else {}))
+        funcs, weights = load_reward_funcs(self.recipe.reward_funcs, self.recipe.reward_weights)
+        self.rewards = RewardRunner(funcs, weights, cfg.reward_timeout_s)
         self.dispatcher = Dispatcher(DispatchConfig(
             staleness=cfg.staleness, target_task_s=cfg.task_target_s, min_deadline_s=cfg.task_deadline_s,
             max_deadline_s=max(cfg.task_deadline_s, 900.0),
         ))
         self.intake = Intake(
             self.dispatcher, TaskParams(cfg.group_size, cfg.max_new_tokens, cfg.temperature, cfg.top_p),
-            vocab_size=self.tok.vocab_size, stop_ids=self.tok.stop_ids, decode=self.tok.decode, reward=self.env.reward,
+            vocab_size=self.tok.vocab_size, stop_ids=self.tok.stop_ids, decode=self.tok.decode,
         )
         # A3: replay state per admitted signer; admission requests (strangers) get a small pool that evicts
         self.replay, self.gossip_replay = envelope.PeerReplay(), envelope.PeerReplay(window_s=300.0, per_peer=256)
@@ -95,6 +105,8 @@ class Hub:
                            self.publisher, self.trainer)
         self.fleet.on_ban, self.activate = self._banned, self.fleet.activate
         self.outbox = Outbox(cfg, self.identity, self.recipe.source, self.tok, self.intake, self.trainer, self.fleet, self.store)
+        self.evaluator = self._evaluator()
+        self.outbox.evaluator = self.evaluator if self.evaluator.enabled else None
         self.learner, self.buffer, self.history = learner, self.trainer.buffer, self.trainer.history
         self.nodes, self.reputation = self.fleet.nodes, self.fleet.reputation
         self.loop_lag = LoopLag()
@@ -109,6 +121,16 @@ class Hub:
         self.resumed_from, self.restored_results = self.trainer.resume()
 
     # the fleet's decisions, as tests and the status page read them
+    def _evaluator(self) -> Evaluator:
+        cfg = self.cfg
+        # held-out prompts: the dataset's eval split, or a built-in task's set on a seed apart from training's
+        items = self.recipe.eval_items if cfg.eval_every else []
+        return Evaluator(
+            items, [list(it.ids) for it in items], every=cfg.eval_every, steps=cfg.steps,
+            pass_threshold=cfg.eval_pass_threshold, group_size=self.outbox.eval_params.group_size,
+            started=self.trainer.started, history=self.store.evaluations(),
+        )
+
     @property
     def active(self) -> set[str] | None:
         return self.fleet.active
@@ -191,18 +213,63 @@ class Hub:
                 self.ledger.refuse(peer, verdict.code)
                 self._pump()
             raise verdict.error
-        # store: the result and its ledger entry in one durable transaction, queued before the rows
-        # can be trained (and marked so), committed before the node hears "accepted"
-        pending = self.store.request(HubStore.record_accepted, r.task_id, peer, r.version, tokens=tokens, rollouts=n,
-                                     received_at=now, payload=encode_groups(verdict.rows),
-                                     price_micro=self.fleet.task_price_micro(r.task_id, peer))
-        self.ledger.accept(peer, n, tokens)
-        self.reputation.record(peer, Event.ACCEPTED)
-        node.tasks_done, node.rollouts, node.tokens = node.tasks_done + 1, node.rollouts + n, node.tokens + tokens
-        self.trainer.add(r.task_id, verdict.rows, r.version)
-        self.outbox.feed()
+        # The dispatcher has accepted: the rest of the accept path runs even if the node's request
+        # gives up meanwhile (cancelled halfway, an accepted result would never be stored). The
+        # scoring inside is bounded by reward_timeout_s.
+        if self.dispatcher.eval_handled(r.task_id):
+            return await self._eval_result(peer, r, verdict, now, tokens)
+        with trio.CancelScope(shield=True):
+            rows = await self._score(verdict)
+            if peer in self.fleet.banned:
+                rows = []  # banned while its rows were scored: drop_rows_of has run already
+            # store: the result and its ledger entry in one durable transaction, queued before the
+            # rows can be trained (and marked so), committed before the node hears "accepted"
+            pending = self.store.request(HubStore.record_accepted, r.task_id, peer, r.version, tokens=tokens, rollouts=n,
+                                         received_at=now, payload=encode_groups(rows),
+                                         price_micro=self.fleet.task_price_micro(r.task_id, peer))
+            self.ledger.accept(peer, n, tokens)
+            self.reputation.record(peer, Event.ACCEPTED)
+            node.tasks_done, node.rollouts, node.tokens = node.tasks_done + 1, node.rollouts + n, node.tokens + tokens
+            if rows:
+                self.trainer.add(r.task_id, rows, r.version)
+            else:  # nothing the reward functions could score: nothing to train or restore
+                self.intake.book.buffered(r.task_id, 0)
+                self.store.submit(HubStore.drop_pending, [r.task_id], "reward_excluded")
+            self.outbox.feed()
         await pending.wait()
         return envelope.seal(self.identity, ErrorReply(code="ok", message="accepted"))
+
+    async def _eval_result(self, peer: str, r: Result, verdict: Accept, now: float, tokens: int) -> bytes:
+        """An accepted eval result: scored, recorded in its evaluation, never trained. The node
+        did the work the hub asked for, so it is stored and credited like a rollout result
+        (the ledger pays for eval rollouts too)."""
+        node, n = self.nodes[peer], len(r.completions)
+        with trio.CancelScope(shield=True):
+            batch = batch_of(verdict.rows, [g.item for g in verdict.task.groups], verdict.texts)
+            scored: Scored = await self.rewards.score(batch, TrainerState(self.learner.version, self.cfg.steps))
+            # an empty payload: nothing of it may be restored into training after a restart
+            pending = self.store.request(HubStore.record_accepted, r.task_id, peer, r.version, tokens=tokens, rollouts=n,
+                                         received_at=now, payload=encode_groups([]),
+                                         price_micro=self.fleet.task_price_micro(r.task_id, peer))
+            self.store.submit(HubStore.drop_pending, [r.task_id], "eval")
+            self.ledger.accept(peer, n, tokens)  # eval rollouts are paid work: credited as rollouts
+            self.reputation.record(peer, Event.ACCEPTED)
+            node.tasks_done, node.rollouts, node.tokens = node.tasks_done + 1, node.rollouts + n, node.tokens + tokens
+            self.intake.book.buffered(r.task_id, 0)  # nothing buffered: the book forgets the task
+            for rec in self.evaluator.add(verdict.task.groups, scored, r.version):
+                self.store.submit(HubStore.record_eval, rec, time.time())
+            self.outbox.feed()
+        await pending.wait()
+        return envelope.seal(self.identity, ErrorReply(code="ok", message="accepted"))
+
+    async def _score(self, verdict: Accept) -> list[Group]:
+        """The accepted rows with their rewards; completions the reward functions could not score
+        are left out, and so is a group left with fewer than two (counted in status.rewards)."""
+        batch = batch_of(verdict.rows, [g.item for g in verdict.task.groups], verdict.texts)
+        state = TrainerState(global_step=self.learner.version, max_steps=self.cfg.steps)
+        rows, dropped = apply_scores(verdict.rows, await self.rewards.score(batch, state))
+        self.rewards.groups_dropped += dropped
+        return rows
 
     async def on_decline(self, peer: str, data: bytes) -> bytes:
         d = envelope.open_envelope(data, TaskDecline, replay=self.replay, allowed=self._signed_by(peer)).message
@@ -257,8 +324,22 @@ class Hub:
     async def learner_loop(self) -> None:
         await self.trainer.run(self.outbox.feed, self.fleet.checked, self.fleet.predicted_busy_fraction,
                                self.fleet.persist_job, self.write_status)
+        await self._final_evaluation()
         await self.write_status(final=True)
         self.done.set()
+
+    async def _final_evaluation(self) -> None:
+        """Wait (bounded) for the evaluation of the last step: the run's "after" figure."""
+        ev, last = self.evaluator, self.learner.version
+        if not ev.enabled:
+            return
+        self._pump()  # starts it if due
+        limit = max(120.0, 4 * self.cfg.task_deadline_s)
+        with trio.move_on_after(limit):
+            while ev.pending(last):
+                await trio.sleep(0.2)
+            return
+        log.warning("evaluation at step %d not complete after %.0f s; the hub stops without it", last, limit)
 
     async def publish(self) -> None:
         await self.trainer.publish()

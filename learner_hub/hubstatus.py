@@ -70,6 +70,10 @@ def hub_status(hub: Hub) -> dict[str, Any]:
         "spot_checks": tr.spot_checks,
         # rows recomputed before a step, and those whose node failed the check (never trained)
         "verification": {"rows_checked": tr.verifier.rows_checked, "rows_rejected": tr.verifier.rows_rejected},
+        # the operator's reward functions: completions scored, and those excluded by reason
+        "rewards": hub.rewards.report(),
+        # evaluations through the swarm: {"history": [{"step", "wall_s", "mean_reward", "accuracy", "n"}...], "latest"}
+        "eval": hub.evaluator.report(),
         # replay state by pool: admitted peers' never shares room with strangers' (A3)
         "replay_guards": {
             "admitted": {"entries": len(hub.replay), "max_entries": hub.replay.per_peer * hub.replay.max_peers},

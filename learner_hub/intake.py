@@ -3,8 +3,9 @@
 The hub opens the envelope (signature, replay, signer admitted) and hands the Result here. Intake
 checks it against the task it answers and decides one of three things:
 
-* :class:`Accept`: rows (one :class:`~echo2.learner_hub.rows.Group` per prompt, rewards computed
-  by the hub's environment) for the store, the ledger and then training;
+* :class:`Accept`: rows (one :class:`~echo2.learner_hub.rows.Group` per prompt) and each
+  completion's decoded text, which the hub's reward functions (:mod:`.rewards`, in threads: they
+  are the operator's code) score before the store, the ledger and training see the rows;
 * :class:`Refuse`: a well-formed result the hub cannot use (stale, duplicate, reassigned, ...),
   with the dispatcher's reason code; the node is not blamed;
 * :class:`Punish`: a result that cannot be honest (another node's task, a task hash that does not
@@ -18,14 +19,14 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from echo2.protocol.errors import Echo2Error, MeaningError, SignerNotAllowed
 from echo2.protocol.messages import Result, Task, task_hash
 
 from .behaviour import logprob_problem
-from .dispatch import Dispatcher, PromptGroup, TaskAssignment
+from .dispatch import Dispatcher, TaskAssignment
 from .rows import Group, Sample
 
 
@@ -95,8 +96,9 @@ class TaskBook:
 @dataclass(frozen=True)
 class Accept:
     task: TaskAssignment
-    rows: list[Group]
+    rows: list[Group]  # rewards not yet given (0.0): the hub scores them before storing
     late: bool
+    texts: list[list[str]] = field(default_factory=list)  # per group, per sample: what reward functions read
 
 
 def result_tokens(r: Result) -> int:
@@ -140,8 +142,9 @@ class TaskParams:
 
 
 class Intake:
-    """Issues tasks, judges results. ``decode(ids)`` and ``reward(item, text, finish_reason)`` are
-    the tokenizer's and the environment's (pure functions); ``stop_ids`` end a completion's text."""
+    """Issues tasks, judges results. ``decode(ids)`` is the tokenizer's (a pure function);
+    ``stop_ids`` end a completion's text. Rewards are not intake's: the operator's reward functions
+    may hang or raise, so the hub runs them in threads after the verdict."""
 
     def __init__(
         self,
@@ -151,7 +154,6 @@ class Intake:
         vocab_size: int,
         stop_ids: Iterable[int],
         decode: Callable[[list[int]], str],
-        reward: Callable[[Any, str, str], float],
     ) -> None:
         self.dispatcher = dispatcher
         self.params = params
@@ -159,18 +161,26 @@ class Intake:
         self.vocab_size = vocab_size
         self.stop_ids = frozenset(stop_ids)
         self.decode = decode
-        self.reward = reward
 
     # --- tasks out ---------------------------------------------------------------------------------
     def issue(self, now: float, consume_step: int, nodes: Iterable[str], seed: Callable[[], int]) -> list[Task]:
         """Tasks for the nodes in ``nodes`` (those present and fresh enough), to sign and send."""
-        present = set(nodes)
+        return self._tasks(self.dispatcher.next_tasks(now, consume_step), set(nodes), seed, self.params)
+
+    def issue_eval(
+        self, now: float, version: int, holders: Iterable[str], seed: Callable[[], int], params: TaskParams
+    ) -> list[Task]:
+        """Eval tasks (their own group size and temperature) for nodes holding ``version``."""
+        present = set(holders)
+        return self._tasks(self.dispatcher.next_eval_tasks(now, version, present), present, seed, params)
+
+    def _tasks(self, assignments: list[TaskAssignment], present: set[str], seed: Callable[[], int],
+               p: TaskParams) -> list[Task]:
         out = []
-        for a in self.dispatcher.next_tasks(now, consume_step):
+        for a in assignments:
             if a.node_id not in present:
                 self.node_left(a.node_id)
                 continue
-            p = self.params
             task = Task(
                 task_id=a.task_id, node_id=a.node_id, prompts=a.prompts, group_size=p.group_size,
                 max_new_tokens=p.max_new_tokens, temperature=p.temperature, top_p=p.top_p, seed=seed(),
@@ -227,7 +237,8 @@ class Intake:
         if not verdict.accepted:
             return Refuse(verdict.code.value)
         assert verdict.task is not None
-        return Accept(verdict.task, self._rows(verdict.task, r, peer), verdict.late)
+        rows, texts = self._rows(verdict.task, r, peer)
+        return Accept(verdict.task, rows, verdict.late, texts)
 
     def _check_completions(self, task: TaskAssignment, r: Result) -> None:
         counts = Counter(c.prompt_index for c in r.completions)
@@ -249,19 +260,21 @@ class Intake:
             if bad is not None:
                 raise MeaningError(f"completion for prompt {c.prompt_index}: {bad}")
 
-    def _rows(self, task: TaskAssignment, r: Result, peer: str) -> list[Group]:
+    def _rows(self, task: TaskAssignment, r: Result, peer: str) -> tuple[list[Group], list[list[str]]]:
         by_prompt: dict[int, list[Any]] = {}
         for c in r.completions:
             by_prompt.setdefault(c.prompt_index, []).append(c)
-        out = []
+        rows, texts = [], []
         for i, g in enumerate(task.groups):
-            out.append(Group(prompt_ids=list(g.prompt), samples=[self._sample(g, c, r.version, peer) for c in by_prompt.get(i, [])]))
-        return out
+            samples = [self._sample(c, r.version, peer) for c in by_prompt.get(i, [])]
+            rows.append(Group(prompt_ids=list(g.prompt), samples=[s for s, _ in samples]))
+            texts.append([t for _, t in samples])
+        return rows, texts
 
-    def _sample(self, g: PromptGroup, c: Any, version: int, peer: str) -> Sample:
+    def _sample(self, c: Any, version: int, peer: str) -> tuple[Sample, str]:
         ids = list(c.token_ids)
         finish = derive_finish_reason(ids, self.stop_ids)  # c.finish_reason is only the node's claim
         text_ids = ids[:-1] if finish == "stop" else ids
-        reward = float(self.reward(g.item, self.decode(text_ids), finish))
-        return Sample(token_ids=ids, logprobs=list(c.logprobs), reward=reward, version=version, node_id=peer,
-                      finish_reason=finish)
+        sample = Sample(token_ids=ids, logprobs=list(c.logprobs), reward=0.0, version=version, node_id=peer,
+                        finish_reason=finish)
+        return sample, self.decode(text_ids)

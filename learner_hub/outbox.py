@@ -14,12 +14,14 @@ from typing import Any
 
 from echo2.protocol import envelope
 from echo2.protocol.identity import Identity
+from echo2.protocol.messages import Task
 
 from .config import HubConfig
 from .data import POSITION_KEY, PromptSource
 from .dispatch import PromptGroup
+from .evaluation import Evaluator, parse_eval_prompt_id
 from .fleet import Fleet
-from .intake import Intake
+from .intake import Intake, TaskParams
 from .store import HubStore
 from .storeworker import StoreWorker
 from .training import Trainer
@@ -46,6 +48,9 @@ class Outbox:
         # drawn again. The position is queued to the store before the tasks holding its prompts,
         # so a task on record implies its prompts are past the saved position.
         source.restore(store.get_meta(POSITION_KEY))
+        self.evaluator: Evaluator | None = None  # set by the hub when eval_every > 0
+        self.eval_params = TaskParams(1 if cfg.eval_temperature == 0 else cfg.group_size, cfg.max_new_tokens,
+                                      cfg.eval_temperature, cfg.top_p)
 
     def refill(self) -> None:
         """Keep B·max(1, S-1) groups in the pipeline: the next batch(es), never more than S allows."""
@@ -79,7 +84,8 @@ class Outbox:
         self.dispatcher.set_active(
             p for p, n in nodes.items() if n.held_version >= min_v and (active is None or p in active)
         )
-        for task in self.intake.issue(now, t, nodes, lambda: self.rng.randrange(2**62)):
+        tasks = self._eval_tasks(now) + self.intake.issue(now, t, nodes, lambda: self.rng.randrange(2**62))
+        for task in tasks:
             n_rollouts = len(task.prompts) * task.group_size
             self.store.submit(HubStore.record_task, task.task_id, task.node_id, now, task.deadline, n_rollouts)
             self.fleet.task_issued(task.task_id, task.node_id)
@@ -88,6 +94,24 @@ class Outbox:
             ttl = min(540.0, max(60.0, task.deadline - now + 60.0))
             node.mailbox.append(envelope.seal(self.identity, task, ttl_s=ttl))
             node.wakeup.set()
+
+    def _eval_tasks(self, now: float) -> list[Task]:
+        """Start the evaluation due at the learner's step; eval tasks for the nodes holding the
+        version each queued evaluation measures (issued before training tasks: it is waited for)."""
+        ev = self.evaluator
+        if ev is None:
+            return []
+        step = self.trainer.learner.version
+        target = ev.due(step)
+        if target is not None:
+            self.dispatcher.eval_queue.extend(ev.start(target))
+        if not self.dispatcher.eval_queue:
+            return []
+        # the oldest queued evaluation's step: a task asks a version at least that
+        version = min(parse_eval_prompt_id(g.prompt_id) or (step, 0) for g in self.dispatcher.eval_queue)[0]
+        active, nodes = self.fleet.active, self.fleet.nodes
+        holders = [p for p, n in nodes.items() if n.held_version >= version and (active is None or p in active)]
+        return self.intake.issue_eval(now, version, holders, lambda: self.rng.randrange(2**62), self.eval_params)
 
     def feed(self) -> None:
         self.refill()

@@ -150,6 +150,18 @@ MIGRATIONS: list[str] = [
         PRIMARY KEY (token_id, peer_id)
     );
     """,
+    # evaluations through the swarm (issue 16): one row per evaluated learner step
+    """
+    CREATE TABLE evaluations (
+        step INTEGER PRIMARY KEY,
+        wall_s REAL NOT NULL,
+        mean_reward REAL,
+        accuracy REAL,
+        n INTEGER NOT NULL,
+        excluded INTEGER NOT NULL,
+        at REAL NOT NULL
+    );
+    """,
 ]
 
 

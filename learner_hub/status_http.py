@@ -133,6 +133,24 @@ def hub_metrics(status: Mapping[str, Any]) -> list[Metric]:
     if isinstance(refused, Mapping):
         samples = [({"reason": str(k)}, float(v)) for k, v in sorted(refused.items()) if _num(v) is not None]
         ms.append(Metric("echo2_results_refused_total", "counter", "Results and requests refused, by reason.", samples))
+    rw = status.get("rewards")
+    if isinstance(rw, Mapping) and isinstance(rw.get("excluded_by_reason"), Mapping):
+        samples = [({"reason": str(k)}, float(v)) for k, v in sorted(rw["excluded_by_reason"].items()) if _num(v) is not None]
+        ms.append(Metric("echo2_reward_excluded_total", "counter", "Completions the reward functions could not score, by reason.", samples))
+        v = _num(rw.get("completions_scored"))
+        if v is not None:
+            ms.append(Metric("echo2_reward_scored_total", "counter", "Completions given a reward.", [({}, v)]))
+    ev = status.get("eval")
+    latest = ev.get("latest") if isinstance(ev, Mapping) else None
+    if isinstance(latest, Mapping):
+        for key, name, help in (
+            ("step", "echo2_eval_step", "Learner step of the latest evaluation."),
+            ("accuracy", "echo2_eval_accuracy", "Share of eval completions whose reward reached eval_pass_threshold (latest evaluation)."),
+            ("mean_reward", "echo2_eval_mean_reward", "Mean reward of the latest evaluation's completions."),
+        ):
+            v = _num(latest.get(key))
+            if v is not None:
+                ms.append(gauge(name, help, v))
     stale = _num(status.get("stale_dropped"))
     if stale is not None:
         ms.append(Metric("echo2_results_stale_dropped_total", "counter", "Results dropped as too stale.", [({}, stale)]))

@@ -497,6 +497,21 @@ class HubStore(JoinTokens, CheckpointFiles):
                                   sum(by_reason.values()), by_reason, int(rem)))
         return out
 
+    # --- evaluations -------------------------------------------------------------------------------
+    def record_eval(self, rec: dict[str, Any], now: float) -> None:
+        with self._tx() as db:
+            db.execute(
+                "INSERT OR REPLACE INTO evaluations (step, wall_s, mean_reward, accuracy, n, excluded, at)"
+                " VALUES (?, ?, ?, ?, ?, ?, ?)",
+                (int(rec["step"]), float(rec["wall_s"]), rec["mean_reward"], rec["accuracy"], int(rec["n"]),
+                 int(rec.get("excluded", 0)), now),
+            )
+
+    def evaluations(self) -> list[dict[str, Any]]:
+        rows = self._read("SELECT step, wall_s, mean_reward, accuracy, n, excluded FROM evaluations ORDER BY step")
+        keys = ("step", "wall_s", "mean_reward", "accuracy", "n", "excluded")
+        return [dict(zip(keys, r, strict=True)) for r in rows]
+
     # --- meta --------------------------------------------------------------------------------------
     def set_meta(self, key: str, value: Any) -> None:
         with self._tx() as db:

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from typing import Any
-
 import pytest
 
 from echo2.learner_hub.dispatch import DispatchConfig, Dispatcher, PromptGroup
@@ -19,13 +17,9 @@ def make_intake(staleness: int = 1) -> Intake:
     d = Dispatcher(DispatchConfig(staleness=staleness, target_task_s=1.0), task_id_prefix="t")
     d.add_node("A", rate=8.0)
     d.add_node("B", rate=8.0)
-
-    def reward(item: Any, text: str, finish: str) -> float:
-        return 1.0 if text == item else 0.0
-
     return Intake(
         d, TaskParams(group_size=2, max_new_tokens=4, temperature=1.0, top_p=1.0),
-        vocab_size=VOCAB, stop_ids=[STOP], decode=lambda ids: ",".join(map(str, ids)), reward=reward,
+        vocab_size=VOCAB, stop_ids=[STOP], decode=lambda ids: ",".join(map(str, ids)),
     )
 
 
@@ -57,8 +51,10 @@ def test_honest_result_gives_rows_with_rewards_and_a_duplicate_is_refused() -> N
     v = intake.judge(t.node_id, answer(t), 1.0, 0)
     assert isinstance(v, Accept)
     assert [len(g.samples) for g in v.rows] == [2] * len(t.prompts)
-    # the stop token is not part of the scored text; the reward is the env's
-    assert all(s.reward == 1.0 and s.node_id == t.node_id and s.version == 0 for g in v.rows for s in g.samples)
+    # the stop token is not part of the text the reward functions score (the hub scores it later)
+    assert all(s.node_id == t.node_id and s.version == 0 for g in v.rows for s in g.samples)
+    items = [g.item for g in v.task.groups]
+    assert v.texts == [[item] * 2 for item in items]
     dup = intake.judge(t.node_id, answer(t), 1.0, 0)
     assert isinstance(dup, Refuse) and dup.code == "duplicate"
     with pytest.raises(MeaningError, match="duplicate"):

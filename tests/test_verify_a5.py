@@ -163,24 +163,30 @@ def test_a5_finish_reason_is_derived_from_the_tokens() -> None:
     from test_intake import STOP, issue, make_intake, submit
 
     from echo2.learner_hub.intake import Accept, Punish
+    from echo2.learner_hub.recipe import PromptItem
+    from echo2.learner_hub.rewards import RewardRunner, TrainerState, apply_scores, batch_of
     from echo2.protocol.messages import Completion, Result, task_hash
 
     finishes: list[str] = []
 
-    def reward(_item: Any, _text: str, finish: str) -> float:
-        finishes.append(finish)  # what the environment is told
-        return 1.0 if finish == "stop" else 0.0
+    def reward(completions: list[str], finish_reason: list[str], **_kw: Any) -> list[float]:
+        finishes.extend(finish_reason)  # what the reward functions are told
+        return [1.0 if f == "stop" else 0.0 for f in finish_reason]
 
     def judge(ids: list[int], claim: str) -> object:
         intake = make_intake()
-        intake.reward = reward
         submit(intake, 2)
         t = issue(intake)[0]
         comps = [Completion(prompt_index=i, token_ids=ids, logprobs=[-0.5] * len(ids), finish_reason=claim)
                  for i in range(len(t.prompts)) for _ in range(t.group_size)]
         r = Result(task_id=t.task_id, task_hash=task_hash(t), node_id=t.node_id, version=0, completions=comps,
                    started_at=0.0, gen_seconds=0.1, tokens=len(ids))
-        return intake.judge(t.node_id, r, 1.0, 0)
+        v = intake.judge(t.node_id, r, 1.0, 0)
+        if isinstance(v, Accept):  # scored as the hub scores an accepted result
+            items = [PromptItem(text=str(g.item), prompt=str(g.item)) for g in v.task.groups]
+            scored = trio.run(RewardRunner([reward], [1.0]).score, batch_of(v.rows, items, v.texts), TrainerState())
+            apply_scores(v.rows, scored)
+        return v
 
     # a stop claimed on a completion with no stop token (shorter than max_new_tokens) is a truncation
     v = judge([7], "stop")
