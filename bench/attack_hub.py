@@ -296,7 +296,9 @@ async def a3_replay_flood(ctx: Ctx) -> Effect:
     stranger_guard_growth = _guard_growth(guards0, guards1, lambda name: "stranger" in name or "unadmitted" in name)
     effect["honest_guard_growth"] = honest_guard_growth  # honest peers' own traffic grows it too
     effect["stranger_guard_growth"] = stranger_guard_growth
-    requests = sum(outcomes.values())
+    # the flood's requests that reached the admission handler (opened envelopes: nonces); those
+    # the hub reset before negotiating their protocol (the per-IP stream gate) reach no guard
+    requests = sum(v for k, v in outcomes.items() if k in ("admitted", "refused", "meaning"))
     # Prevented: no honest message refused as a replay, and the flood's nonces went to the
     # strangers' pool (at least half of what it sent), not to the pool honest peers use.
     # (or the strangers' pool is full and evicting: its growth is bounded by design)

@@ -23,7 +23,8 @@ the hub (it dials; see :mod:`echo2.node.relay_runtime` for the whole wire protoc
   children would otherwise wait out their stall timer on every version. It is promoted again once
   it reports holding a version published after its demotion;
 - distrusts a relay (a leaf for good) only on evidence: an accused relay is asked to serve the
-  hub a chunk, and distrusted if that chunk is corrupt (:mod:`.relay_challenge`);
+  hub a chunk, and distrusted if that chunk is corrupt (:mod:`.relay_challenge`), and then
+  ``on_convicted`` (the fleet bans it);
 - keeps each connection's send queue bounded: items of superseded versions are dropped when a new
   version starts, so a peer that stops reading costs the hub neither memory nor other links' time
   (every link has its own sender task; nothing else awaits a send);
@@ -249,7 +250,7 @@ class PipelinedSender(HubSide):
     def suspects(self) -> dict[str, tuple[str, int | None]]:
         return self.challenges.suspects
 
-    def distrust(self, peer: str, why: str, index: int | None = None) -> None:
+    def accuse(self, peer: str, why: str, index: int | None = None) -> None:
         """An accusation (a node's relay report, or one restored after a restart): ``peer`` is
         asked to serve the hub a chunk and distrusted only if that chunk is corrupt (A9)."""
         if peer in self.distrusted or not self.challenges.accuse(peer, why, index):
@@ -283,7 +284,9 @@ class PipelinedSender(HubSide):
         if ok:
             log.info("relay %s served chunk %d of v%d intact: accusation (%s) not substantiated", peer, ch.index, ch.version, why)
         else:
-            self._distrust_now(peer, f"served the hub a corrupt chunk {ch.index} of v{ch.version}; accused: {why}")
+            why = f"served the hub a corrupt chunk {ch.index} of v{ch.version}; accused: {why}"
+            self._distrust_now(peer, why)
+            self.on_convicted(peer, why)
 
     def _distrust_now(self, peer: str, why: str) -> None:
         if peer in self.distrusted:

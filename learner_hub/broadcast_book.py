@@ -91,14 +91,17 @@ class HubSide:
         self.hello: dict[str, PeerInfo] = {}
         self.metrics: dict[int, VersionMetrics] = {}
         self.changed = trio.Event()  # set (and replaced) on every join/leave/holds
+        # told (peer, why) when a relay served the hub itself a corrupt chunk: the only evidence
+        # a relay is punished on (A9); the fleet bans it
+        self.on_convicted: Callable[[str, str], None] = lambda _peer, _why: None
 
     def _changed(self) -> None:
         self.changed.set()
         self.changed = trio.Event()
 
-    def distrust(self, peer: str, why: str, index: int | None = None) -> None:
-        """Never use ``peer`` as a relay again (it was reported relaying corrupt chunks). The
-        star sender has no relays: nothing to do."""
+    def accuse(self, peer: str, why: str, index: int | None = None) -> None:
+        """``peer`` was reported relaying a corrupt chunk: an accusation to check. The star
+        sender has no relays: nothing to do."""
 
     def was_parent(self, version: int, node: str, index: int, parent: str) -> bool:
         """Did a plan of ``version`` make ``parent`` the node's parent for chunk ``index``? (The

@@ -117,7 +117,9 @@ class HubConfig:
     checkpoint_every: Annotated[int, _doc("checkpoint policy, optimizer and step every K steps (restart resumes)", ge=0)] = 10
     logprob_tolerance: Annotated[float, _doc("node log-probs must match the learner's recompute within this", ge=0)] = 1e-3
     verify_fraction: Annotated[float, _doc("share of each node's rows recomputed before a step (1 = all; less: a secret random draw, at least one row per node)", gt=0, le=1)] = 1.0
-    relay_report_quorum: Annotated[int, _doc("distinct peers reporting corrupt relayed chunks that ban a relay", ge=1)] = 2
+    # A9: reports never ban (two Sybils would do); a relay is banned only when it serves the hub a
+    # corrupt chunk. Kept so that existing hub.toml files still load.
+    relay_report_quorum: Annotated[int, _doc("unused: relay reports no longer ban (A9)", ge=1)] = 2
     max_price: Annotated[float, _doc("highest $/hour a node may ask; one asking more is not admitted", ge=0, le=1e6)] = 100.0
     max_claimed_rate: Annotated[float, _doc("a node claiming more rollouts/s than this is not admitted", gt=0, le=1e9)] = 1e4
     price_change_every_s: Annotated[float, _doc("a node's price moves at most once per this many seconds (an increase at most x2)", ge=0)] = 600.0

@@ -217,6 +217,24 @@ class Dispatcher:
         st = self.nodes.get(node_id)
         return None if st is None or st.claimed else st.rate
 
+    def groups_to_count_on(self, now: float) -> int:
+        """Prompt groups in flight that the pipeline may count on to come back: tasks of nodes the
+        hub has timed, until twice their expected time (a task that late is probably lost).
+
+        A task of a node on probation is speculative: its expected time is the node's own claim.
+        Counted as supply, one such task that is never answered held a step's last groups until
+        its deadline while the honest fleet idled (A10: an admitted liar cut the honest rate to
+        0.31 of the baseline in ``echo2 bench attack``). Not counting it costs at most the
+        probation tasks' groups in extra rollouts (``probation_max_in_flight`` x
+        ``probation_groups``), which the next step uses.
+        """
+        n = 0
+        for t in self.in_flight.values():
+            st = self.nodes.get(t.node_id)
+            if st is not None and not st.claimed and now <= t.issued_at + 2 * t.expected_s + 1.0:
+                n += len(t.groups)
+        return n
+
     def timed_tasks(self, node_id: str) -> int:
         st = self.nodes.get(node_id)
         return 0 if st is None else st.completed_tasks

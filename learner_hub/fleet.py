@@ -88,12 +88,13 @@ class Fleet:
         self.changed = False  # a node joined or left since the capacity report was last logged
         self.relay_reports_received = 0
         self.on_ban: Callable[[str], None] = lambda _peer: None
-        self.reputation = ReputationBook(ReputationConfig(relay_report_quorum=cfg.relay_report_quorum))
+        self.reputation = ReputationBook(ReputationConfig())
+        sender.on_convicted = self.convicted
         for rec in store.list_nodes():
             if rec.rep_state:
                 self.reputation.restore(rec.peer_id, rec.rep_state)
                 if self.reputation.get(rec.peer_id).relay_reporters:
-                    sender.distrust(rec.peer_id, "reported relaying corrupt chunks before a restart")
+                    sender.accuse(rec.peer_id, "reported relaying corrupt chunks before a restart")
         self.banned: dict[str, str] = store.banned()  # the data plane's check; refreshed each second
         self.admission = AdmissionPolicy(cfg.admission, cfg.allowlist, hub_peer_id=hub_peer_id)
         self.claims = ClaimLimits(max_price=cfg.max_price, max_rate=cfg.max_claimed_rate,
@@ -239,10 +240,12 @@ class Fleet:
     def relay_report(self, peer: str, rep: RelayReport) -> str:
         """A node says a peer relayed it a chunk off the signed manifest. What the hub can check,
         it checks (the version is one it published and still knows, the expected hash is that
-        chunk's ``enc_hash``, the received one differs); the rest is an accusation: the accused
-        stops relaying at once, and is banned when ``relay_report_quorum`` distinct peers
-        report it (a single liar can thus demote a relay to a leaf, never ban it). Returns the
-        reply's message; raises MeaningError for a report that contradicts what the hub knows."""
+        chunk's ``enc_hash``, the received one differs); the rest is an accusation, which is
+        recorded and makes the accused a suspect that must serve the hub a chunk. It is punished
+        (banned, :meth:`convicted`) only if what it serves the hub is corrupt: no number of
+        reports counts as evidence (A9: two Sybils under an honest relay could otherwise ban it).
+        Returns the reply's message; raises MeaningError for a report that contradicts what the
+        hub knows."""
         if rep.peer_id != peer:
             raise MeaningError("relay report names another reporter")
         if rep.accused == peer:
@@ -270,9 +273,14 @@ class Fleet:
         if not new_reporter:
             return "noted (already reported by this peer)"
         log.warning("relay report: %s relayed a corrupt chunk %d of v%d to %s", rep.accused, rep.index, rep.version, peer)
-        self.sender.distrust(rep.accused, f"corrupt chunk {rep.index} of v{rep.version} reported by {peer}")
-        self.punish(rep.accused, Event.CORRUPT_RELAY, f"chunk {rep.index} of v{rep.version}, reported by {peer}", reporter=peer)
+        out = self.reputation.record(rep.accused, Event.RELAY_REPORTED, reporter=peer)
+        self.store.submit(HubStore.set_reputation, rep.accused, out.score, self.reputation.snapshot(rep.accused))
+        self.sender.accuse(rep.accused, f"corrupt chunk {rep.index} of v{rep.version} reported by {peer}", rep.index)
         return "noted"
+
+    def convicted(self, peer: str, why: str) -> None:
+        """The hub's own evidence: ``peer`` served the hub a chunk off the signed manifest."""
+        self.punish(peer, Event.CORRUPT_RELAY, why)
 
     # --- cost-aware activation (BRIEF §6) ----------------------------------------------------------
     def activate(self, t_train: float | None = None, trained: bool | None = None) -> None:

@@ -61,11 +61,8 @@ class Outbox:
         # was current (one step of lag is the version still travelling to the nodes), so they
         # would be dropped as stale: over-generation is pure waste.
         target = self.cfg.prompts_per_step * min(max(1, self.cfg.staleness - 1), remaining_steps)
-        now = time.time()
-        # a task long past its expected time is probably lost: don't let it block the refill
-        in_flight = sum(
-            len(t.groups) for t in self.dispatcher.in_flight.values() if now <= t.issued_at + 2 * t.expected_s + 1.0
-        )
+        # only work the hub can count on coming back: not a lost task, nor a node's first (A10)
+        in_flight = self.dispatcher.groups_to_count_on(time.time())
         need = target - (len(self.dispatcher.queue) + in_flight + len(self.trainer.buffer))
         if need <= 0:
             return

@@ -24,6 +24,8 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
 
+MAX_REPORTERS = 1000  # reporters remembered per accused node (each must be an admitted node)
+
 
 class Event(StrEnum):
     ACCEPTED = "accepted"  # a result passed every check and entered the buffer
@@ -32,7 +34,11 @@ class Event(StrEnum):
     FORGED = "forged"  # provably false data
     OVERCLAIM = "overclaim"  # claimed rate far above the hub-measured one
     TIMEOUT = "timeout"  # an assigned task expired unanswered
-    CORRUPT_RELAY = "corrupt_relay"  # a peer reports it relayed a chunk off the signed manifest
+    # a peer reports it relayed a chunk off the signed manifest: an accusation (the relayed bytes
+    # carry no signature of the relay), recorded, never held against the accused (A9)
+    RELAY_REPORTED = "relay_reported"
+    # challenged on an accusation, it served the hub itself a chunk off the signed manifest: proof
+    CORRUPT_RELAY = "corrupt_relay"
 
 
 @dataclass(frozen=True)
@@ -45,17 +51,11 @@ class ReputationConfig:
     window: int = 20
     max_mismatches: int = 3
     ban_below: float = 0.02
-    # A corrupt-relay report is an accusation (the relayed bytes carry no relay signature): each
-    # distinct reporter costs the accused this factor, and this many distinct reporters ban it.
-    corrupt_relay_factor: float = 0.7
-    relay_report_quorum: int = 2
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.initial <= 1.0 or not 0.0 < self.gain < 1.0:
             raise ValueError("need 0 <= initial <= 1 and 0 < gain < 1")
-        if self.relay_report_quorum < 1:
-            raise ValueError("relay_report_quorum must be >= 1")
-        for f in (self.mismatch_factor, self.overclaim_factor, self.timeout_factor, self.corrupt_relay_factor):
+        for f in (self.mismatch_factor, self.overclaim_factor, self.timeout_factor):
             if not 0.0 <= f <= 1.0:
                 raise ValueError("penalty factors must be in [0, 1]")
         if self.window < 1 or not 1 <= self.max_mismatches <= self.window:
@@ -115,7 +115,10 @@ class ReputationBook:
 
     def record(self, peer_id: str, event: Event, detail: str = "", *, reporter: str | None = None) -> Outcome:
         """Apply ``event``; ``Outcome.ban`` is the reason when the node must now be banned.
-        ``CORRUPT_RELAY`` needs ``reporter``: a reporter counts once, however often it reports."""
+        ``RELAY_REPORTED`` needs ``reporter``; it only records who accused the node (a reporter
+        counts once, however often it reports): any admitted node can name its parent, so a
+        report moves no score and bans nothing, whatever the number of reporters (two Sybils
+        would do). ``CORRUPT_RELAY`` is the hub's own evidence and bans at once."""
         c = self.config
         r = self.get(peer_id)
         ban: str | None = None
@@ -143,22 +146,20 @@ class ReputationBook:
             r.score *= c.overclaim_factor
         elif event is Event.TIMEOUT:
             r.score *= c.timeout_factor
-        elif event is Event.CORRUPT_RELAY:
+        elif event is Event.RELAY_REPORTED:
             if not reporter or reporter == peer_id:
-                raise ValueError("a corrupt-relay report needs a reporter other than the accused")
-            if reporter not in r.relay_reporters:
+                raise ValueError("a relay report needs a reporter other than the accused")
+            if len(r.relay_reporters) < MAX_REPORTERS:
                 r.relay_reporters.add(reporter)
-                r.score *= c.corrupt_relay_factor
-            if len(r.relay_reporters) >= c.relay_report_quorum:
-                ban = f"relayed corrupt chunks (reported by {len(r.relay_reporters)} peers)" + (
-                    f": {detail}" if detail else ""
-                )
+        elif event is Event.CORRUPT_RELAY:
+            # honest software verifies every chunk against the signed manifest before it stores,
+            # forwards or serves it, as for a forged result
+            r.score = 0.0
+            ban = "relayed corrupt chunks" + (f": {detail}" if detail else "")
         else:  # pragma: no cover - exhaustive over Event
             raise ValueError(f"unknown event {event!r}")
         r.score = min(1.0, max(0.0, r.score))
-        # Reports are accusations: only the quorum of distinct reporters bans on them, never a
-        # score that reports (on top of, say, timeouts) pushed low.
-        if ban is None and r.score < c.ban_below and event not in (Event.ACCEPTED, Event.CORRUPT_RELAY):
+        if ban is None and r.score < c.ban_below and event not in (Event.ACCEPTED, Event.RELAY_REPORTED):
             ban = f"reputation {r.score:.3f} fell below {c.ban_below}"
         if ban is not None and r.banned is None:
             r.banned = ban
@@ -194,5 +195,5 @@ class ReputationBook:
         r.banned = b if isinstance(b, str) else None
         reporters = state.get("relay_reporters")
         if isinstance(reporters, list):
-            r.relay_reporters = {x for x in reporters[:1000] if isinstance(x, str)}
+            r.relay_reporters = {x for x in reporters[:MAX_REPORTERS] if isinstance(x, str)}
         self._nodes[peer_id] = r

@@ -397,9 +397,9 @@ class RelayReport(Message):
 
     Signed by the reporter (``peer_id``). The hub checks what it can: that ``expected_hash`` is
     the manifest's ``enc_hash`` of chunk ``index`` of ``version`` and that ``got_hash`` differs
-    from it. The bytes themselves are not signed by the relay, so one report is an accusation,
-    not proof: the hub stops using the accused as a relay at once and bans it only when enough
-    distinct peers report it (``relay_report_quorum``).
+    from it. The bytes themselves are not signed by the relay, so a report is an accusation, not
+    proof, however many peers make it: the hub asks the accused to serve it a chunk and bans it
+    only if what it serves is corrupt.
     """
 
     TYPE: ClassVar[str] = "relay_report"

@@ -87,6 +87,38 @@ def test_a11_connections_capped_per_ip() -> None:
 
 
 
+def test_a11_stranger_streams_rate_limited_per_ip_before_negotiation() -> None:
+    """Fresh keys from one address open streams faster than the address may: the excess is reset
+    before its protocol is negotiated (the handler never runs for it); an admitted peer on the
+    same address is not counted."""
+    served: list[str] = []
+
+    async def counting_echo(peer: str, data: bytes) -> bytes:
+        served.append(peer)
+        return data
+
+    async def main() -> None:
+        limits = RequestLimits(stranger_streams_per_ip_s=0.01, stranger_streams_burst=6)
+        async with ControlHost(Identity.generate(), gossip=False, limits=limits) as server:
+            server.set_handler(ECHO, counting_echo, max_request=1024)
+            addr = server.addrs[0]
+            async with ControlHost(Identity.generate(), gossip=False) as honest:
+                server.is_trusted = lambda peer: peer == honest.peer_id
+                answered = failed = 0
+                for _ in range(4):  # throwaway keys, a few requests each (identify streams count too)
+                    async with ControlHost(Identity.generate(), gossip=False) as stranger:
+                        for _ in range(4):
+                            try:
+                                answered += await stranger.request(addr, ECHO, b"x", max_response=64, timeout_s=3) == b"x"
+                            except Exception:
+                                failed += 1
+                assert server.refusals["rate_limited"] >= 10 and failed >= 10
+                assert len(served) == answered <= 6  # at most the burst was negotiated and served
+                for _ in range(10):  # the admitted peer, same address, is not counted
+                    assert await honest.request(addr, ECHO, b"hi", max_response=64) == b"hi"
+
+    run(main, 60.0)
+
 
 @pytest.fixture()
 def hub(tmp_path: Path) -> Hub:

@@ -22,39 +22,33 @@ from echo2.protocol.messages import ErrorReply, RelayReport
 # --- the rule ----------------------------------------------------------------------------------
 
 
-def test_one_reporter_never_bans_and_counts_once() -> None:
-    book = ReputationBook(ReputationConfig(relay_report_quorum=2))
-    first = book.record("relay", Event.CORRUPT_RELAY, "c0", reporter="a")
-    again = book.record("relay", Event.CORRUPT_RELAY, "c1", reporter="a")
-    assert first.ban is None and again.ban is None
-    assert again.score == first.score < ReputationConfig().initial  # a repeat costs nothing more
-    out = book.record("relay", Event.CORRUPT_RELAY, "c0", reporter="b")
-    assert out.ban is not None and "reported by 2 peers" in out.ban
-    assert book.is_banned("relay")
+def test_a9_reports_alone_never_ban_nor_cost_the_accused() -> None:
+    # any admitted node can name its parent: no number of reporters is evidence (two Sybils
+    # under an honest relay would otherwise ban it)
+    book = ReputationBook(ReputationConfig(ban_below=0.3))
+    outs = [book.record("relay", Event.RELAY_REPORTED, "c0", reporter=f"r{i % 10}") for i in range(30)]
+    assert all(o.ban is None and o.score == ReputationConfig().initial for o in outs)
+    assert not book.is_banned("relay") and len(book.get("relay").relay_reporters) == 10
 
 
-def test_reports_never_ban_through_the_score() -> None:
-    # Many reporters below the quorum push the score down, but only the quorum bans.
-    book = ReputationBook(ReputationConfig(relay_report_quorum=50, ban_below=0.3))
-    outs = [book.record("relay", Event.CORRUPT_RELAY, reporter=f"r{i}") for i in range(10)]
-    assert outs[-1].score < 0.3 and all(o.ban is None for o in outs)
+def test_a9_a_conviction_bans_at_once() -> None:
+    book = ReputationBook()
+    out = book.record("relay", Event.CORRUPT_RELAY, "served the hub a corrupt chunk 3 of v1")
+    assert out.ban is not None and "relayed corrupt chunks" in out.ban and book.is_banned("relay")
 
 
-def test_quorum_one_bans_at_once_and_reporters_survive_a_restart() -> None:
-    book = ReputationBook(ReputationConfig(relay_report_quorum=1))
-    assert book.record("relay", Event.CORRUPT_RELAY, reporter="a").ban
-    book2 = ReputationBook(ReputationConfig(relay_report_quorum=3))
-    book2.restore("x", {"relay_reporters": ["a", "b", 7]})
-    assert book2.get("x").relay_reporters == {"a", "b"}
-    assert book2.record("x", Event.CORRUPT_RELAY, reporter="c").ban
+def test_reporters_survive_a_restart() -> None:
+    book = ReputationBook()
+    book.restore("x", {"relay_reporters": ["a", "b", 7]})
+    assert book.get("x").relay_reporters == {"a", "b"}
 
 
 def test_report_needs_another_reporter() -> None:
     book = ReputationBook()
     with pytest.raises(ValueError):
-        book.record("relay", Event.CORRUPT_RELAY)
+        book.record("relay", Event.RELAY_REPORTED)
     with pytest.raises(ValueError):
-        book.record("relay", Event.CORRUPT_RELAY, reporter="relay")
+        book.record("relay", Event.RELAY_REPORTED, reporter="relay")
 
 
 # --- the hub -----------------------------------------------------------------------------------
@@ -101,26 +95,31 @@ def send(hub: Hub, reporter: Identity, rep: RelayReport) -> str:
     return envelope.open_envelope(reply, ErrorReply, replay=None).message.message
 
 
-def test_two_reporters_ban_the_relay_and_everything_is_recorded(hub: Hub) -> None:
+def test_a9_two_reporters_do_not_ban_a_relay_only_its_conviction_does(hub: Hub) -> None:
     relay, a, b = Identity.generate(), Identity.generate(), Identity.generate()
     for n in (relay, a, b):
         assert admit(hub, n).admitted
+    score = hub.reputation.score(relay.peer_id)
     i = plan_with_relay(hub, relay.peer_id, [a.peer_id, b.peer_id])
     assert send(hub, a, report(hub, a, relay.peer_id, index=i)) == "noted"
-    assert relay.peer_id in hub.nodes and hub.store.ban_reason(relay.peer_id) is None
     # An accusation, not evidence (A9): a suspect, asked to serve the hub a chunk once it is
     # connected; distrusted only if that chunk is corrupt (tests/test_relay_security.py).
     assert relay.peer_id in hub.sender.suspects and relay.peer_id not in hub.sender.distrusted
     again = send(hub, a, report(hub, a, relay.peer_id, index=i, got_hash=b"\x01" * 32))
     assert "already reported" in again
-    assert hub.store.ban_reason(relay.peer_id) is None  # the same reporter again: still one
     assert send(hub, b, report(hub, b, relay.peer_id, index=i)) == "noted"
-    reason = hub.store.ban_reason(relay.peer_id)
-    assert reason is not None and "relayed corrupt chunks (reported by 2 peers)" in reason
-    assert relay.peer_id not in hub.nodes
+    # two distinct reporters (two Sybils would do): recorded, still no ban and no cost
+    assert hub.store.ban_reason(relay.peer_id) is None and relay.peer_id in hub.nodes
+    assert hub.reputation.score(relay.peer_id) == score
+    assert hub.reputation.get(relay.peer_id).relay_reporters == {a.peer_id, b.peer_id}
     rows = hub.store.relay_reports(relay.peer_id)
     assert {(r[1], r[2], r[3]) for r in rows} == {(a.peer_id, 0, i), (b.peer_id, 0, i)}
     assert hub.relay_reports_received == 3
+    # the challenge convicts it (it served the hub a corrupt chunk): that, and only that, bans
+    hub.sender.on_convicted(relay.peer_id, f"served the hub a corrupt chunk {i} of v0")
+    reason = hub.store.ban_reason(relay.peer_id)
+    assert reason is not None and "relayed corrupt chunks" in reason
+    assert relay.peer_id not in hub.nodes
 
 
 def test_a_node_can_only_accuse_its_own_parent(hub: Hub) -> None:

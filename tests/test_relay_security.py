@@ -191,14 +191,17 @@ def test_a9_demotion_only_on_evidence_the_accused_served(tmp_path: Path) -> None
                 await sw.publish(1, _state(300_000, 1))
                 await sw.wait_holds(1, sw.nodes)
                 liar_target, corrupt = sw.nodes[1], sw.nodes[0]
+                convicted: list[str] = []
+                sw.sender.on_convicted = lambda peer, _why: convicted.append(peer)
                 for nd in (liar_target, corrupt):
-                    sw.sender.distrust(nd.me, "reported by a peer")
+                    sw.sender.accuse(nd.me, "reported by a peer")
                 assert liar_target.me not in sw.sender.distrusted, "distrusted on an accusation alone"
                 with trio.move_on_after(10):
                     while corrupt.me not in sw.sender.distrusted or liar_target.me in sw.sender.suspects:
                         await trio.sleep(0.05)
                 assert corrupt.me in sw.sender.distrusted, "served a corrupt chunk: evidence"
                 assert liar_target.me not in sw.sender.distrusted and liar_target.me not in sw.sender.suspects
+                assert convicted == [corrupt.me], "punished (banned by the fleet) on the conviction only"
                 nursery.cancel_scope.cancel()
 
     trio.run(main)

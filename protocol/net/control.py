@@ -36,7 +36,9 @@ Hostile peers (:class:`RequestLimits`): each remote peer ID has a token bucket p
 holds open at once (``too_many_streams``), request bodies are charged as they arrive against byte
 budgets per peer (trusted peers, as :attr:`ControlHost.is_trusted` says) or per peer, per IP and
 over all strangers (``busy``), a body slower than a minimum rate is cut (``too_slow``), each
-remote IP may hold a bounded number of connections (the excess is closed), and gossip is
+remote IP may hold a bounded number of connections (the excess is closed), a remote IP whose
+peers are not admitted may open only so many new streams per second (the excess is reset before
+its protocol is even negotiated), and gossip is
 rate-limited per origin and topic. Refusals are counted in ``refusals`` by code; their log lines
 are thinned under a flood (:class:`LogThrottle`).
 """
@@ -73,7 +75,7 @@ from .libp2p_host import (
     peer_str,
     remote_ip_of,
 )
-from .reqresp import RequestResponse, TrustPredicate, remote_ip
+from .reqresp import RequestResponse, TrustPredicate, quiet_close, remote_ip
 
 __all__ = ["ANNOUNCE_TOPIC", "ControlHost", "RequestLimits", "address_key", "remote_ip"]
 
@@ -118,6 +120,13 @@ class RequestLimits:
     min_body_rate_Bps: float = 32 * 1024
     body_grace_s: float = 5.0
     max_connections_per_ip: int = 64
+    # New inbound streams per second of an address's peers not admitted (all protocols, identify
+    # and gossip included), counted before the protocol is negotiated: fresh peer IDs are free, so
+    # the per-peer rate does not bound a flood of them, and multistream negotiation, the body and
+    # the signature check were most of what such a stream cost the hub (A3/A11). An honest
+    # joining node opens a handful.
+    stranger_streams_per_ip_s: float = 20.0
+    stranger_streams_burst: float = 40.0
     gossip_rate_per_s: float = 10.0  # messages per origin and topic handed to the handler
     gossip_burst: float = 30.0
     max_tracked_peers: int = 100_000
@@ -205,6 +214,9 @@ class ControlHost(RequestResponse, Gossip):
         lim = self.limits
         self._streams = ConcurrencyLimiter(lim.max_streams_per_peer)
         self._stranger_streams = ConcurrencyLimiter(lim.max_stranger_streams_per_ip)
+        self._stranger_stream_rate = KeyedRateLimiter(
+            lim.stranger_streams_per_ip_s, lim.stranger_streams_burst, max_keys=lim.max_tracked_peers
+        )
         self._trusted_bytes = ByteBudget(lim.max_inflight_per_peer, lim.max_inflight_bytes)
         self._stranger_peer_bytes = ByteBudget(lim.stranger_inflight_per_peer, lim.stranger_inflight_bytes)
         self._stranger_ip_bytes = ByteBudget(lim.stranger_inflight_per_ip, lim.stranger_inflight_bytes)
@@ -239,6 +251,7 @@ class ControlHost(RequestResponse, Gossip):
         )
         self._host = host
         host.get_network().register_notifee(_ConnNotifee(self))
+        self._gate_streams(host)
         try:
             async with host.run([listen]):
                 # py-libp2p only logs a failed listen (port in use, bad address) and runs on
@@ -336,6 +349,35 @@ class ControlHost(RequestResponse, Gossip):
                 cb(peer)
             except Exception:
                 logger.exception("%s callback failed for peer %s", what, peer)
+
+    def _gate_streams(self, host: IHost) -> None:
+        """Put the per-IP rate of strangers' new streams in front of protocol negotiation."""
+        net = host.get_network()
+        # the host's own handler: multistream-select, then the protocol's handler (py-libp2p's
+        # Swarm keeps it here; the interface does not name it)
+        negotiate: Callable[[INetStream], Awaitable[None]] | None = getattr(net, "common_stream_handler", None)
+        if negotiate is None:
+            raise TransportError("py-libp2p's swarm has no common_stream_handler: cannot gate strangers' streams")
+
+        async def gate(stream: INetStream) -> None:
+            if self._stream_allowed(stream):
+                await negotiate(stream)
+            else:
+                await quiet_close(stream, reset=True)
+
+        net.set_stream_handler(gate)
+
+    def _stream_allowed(self, stream: INetStream) -> bool:
+        try:
+            peer = peer_str(stream.muxed_conn.peer_id)
+            ip = address_key(remote_ip_of(stream.muxed_conn) or "?")
+        except Exception:
+            return False  # a stream we cannot place is not served
+        if self.trusts(peer) or self._stranger_stream_rate.allow(ip, trio.current_time()):
+            return True
+        self._refuse("rate_limited", peer, "stream",
+                     f"more than {self.limits.stranger_streams_per_ip_s:g} new streams/s from {ip} (not admitted)")
+        return False
 
     def _count_connection(self, conn: INetConn, peer: str) -> bool:
         """Count a new connection against its IP; False if it is one too many (close it)."""
