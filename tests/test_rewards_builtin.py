@@ -63,6 +63,6 @@ def test_builtin_rewards_agree_with_the_environments() -> None:
     for task in ("copy", "reverse", "arith"):
         env, f = make_env(task), load_reward_func(builtin_reward_spec(task))
         for item in env.sample_prompts(20, rng):
-            for t in texts + [item.answer]:
+            for t in texts + [item.row["answer"]]:
                 for finish in ("stop", "length"):
-                    assert one(f, item.answer, t, finish) == pytest.approx(env.reward(item, t, finish))
+                    assert one(f, item.row["answer"], t, finish) == pytest.approx(env.reward(item, t, finish))
