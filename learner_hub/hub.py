@@ -169,11 +169,12 @@ class Hub:
 
     # --- control-plane handlers (each guarded by ControlHost; raise Echo2Error to refuse) --------
     async def on_admission(self, peer: str, data: bytes) -> bytes:
+        # per IP, and first: a request refused for rate costs no signature check and no replay nonce (A3/A11)
+        if not self._admission_bucket.allow(address_key(remote_ip() or peer), trio.current_time()):
+            raise MeaningError("too many admission requests right now; retry later")
         req = envelope.open_envelope(data, AdmissionRequest, replay=self.admission_replay, allowed=self._signed_by(peer, False)).message
         if req.peer_id != peer or req.announce.peer_id != peer:
             raise MeaningError("admission request names another peer")
-        if not self._admission_bucket.allow(address_key(remote_ip() or peer), trio.current_time()):  # per IP: a source drains its own
-            raise MeaningError("too many admission requests right now; retry later")
         admitted, reason = await self.fleet.admit(peer, req.join_token, req.announce, time.time())
         decision = AdmissionDecision(peer_id=peer, admitted=admitted, reason=reason, hub_data_addr=self.data_addr,
                                      current_version=self.publisher.latest_version, staleness=self.cfg.staleness)
