@@ -73,7 +73,7 @@ class HubConfig:
     reward_weights: Annotated[list[float], _doc("one weight per reward function (default: all 1.0)")] = field(
         default_factory=list
     )
-    reward_timeout_s: Annotated[float, _doc("a reward call on one batch taking longer is abandoned and its rows excluded", gt=0)] = 30.0
+    reward_timeout_s: Annotated[float, _doc("a reward call on one batch taking longer is abandoned and its rows excluded (under the 30 s a node waits for its answer)", gt=0, le=25)] = 10.0
     environment: Annotated[str, _doc("verifiers environment id (pip install echo2[verifiers]); overrides dataset and rewards")] = ""
     environment_args: Annotated[dict[str, Any], _doc("keyword arguments of verifiers.load_environment")] = field(
         default_factory=dict
