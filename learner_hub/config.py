@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import logging
 import tomllib
 from dataclasses import dataclass, field
 from functools import cache
@@ -119,7 +120,6 @@ class HubConfig:
     verify_fraction: Annotated[float, _doc("share of each node's rows recomputed before a step (1 = all; less: a secret random draw, at least one row per node)", gt=0, le=1)] = 1.0
     # A9: reports never ban (two Sybils would do); a relay is banned only when it serves the hub a
     # corrupt chunk. Kept so that existing hub.toml files still load.
-    relay_report_quorum: Annotated[int, _doc("unused: relay reports no longer ban (A9)", ge=1)] = 2
     max_price: Annotated[float, _doc("highest $/hour a node may ask; one asking more is not admitted", ge=0, le=1e6)] = 100.0
     max_claimed_rate: Annotated[float, _doc("a node claiming more rollouts/s than this is not admitted", gt=0, le=1e9)] = 1e4
     price_change_every_s: Annotated[float, _doc("a node's price moves at most once per this many seconds (an increase at most x2)", ge=0)] = 600.0
@@ -173,10 +173,15 @@ def _allowed(tp: Any) -> str:
 
 # keys renamed to TRL's names: an old hub.toml keeps working
 _RENAMED = {"clip_eps": "epsilon"}
+# keys that no longer mean anything: an old hub.toml still loads, with a warning
+_RETIRED = {"relay_report_quorum": "relay reports no longer ban; only a relay that serves the hub a corrupt chunk is banned (A9)"}
 
 
 def _convert(table: dict[str, Any], source: str) -> HubConfig:
     table = dict(table)
+    for old, why in _RETIRED.items():
+        if table.pop(old, None) is not None:
+            logging.getLogger(__name__).warning("%s: %s is ignored: %s", source, old, why)
     for old, new in _RENAMED.items():
         if old in table and new not in table:
             table[new] = table.pop(old)
