@@ -1,0 +1,45 @@
+"""Writes data/train.jsonl and data/eval.jsonl: small additions and subtractions, seeded, disjoint.
+
+Run once (``python make_data.py``); the files are committed, so a recipe run never depends on it.
+Each row is conversational (TRL's ``prompt`` column as a list of messages) with an ``answer``
+column that the reward functions receive as a keyword argument.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+SYSTEM = "Reply with only the number."
+SEED = 16
+N_EVAL = 100
+N_TRAIN = 500
+
+
+def questions() -> list[tuple[str, int]]:
+    qs = [(f"What is {a} + {b}?", a + b) for a in range(21) for b in range(21)]
+    qs += [(f"What is {a} - {b}?", a - b) for a in range(21) for b in range(a + 1)]
+    return qs
+
+
+def row(question: str, answer: int) -> dict[str, object]:
+    return {
+        "prompt": [{"role": "system", "content": SYSTEM}, {"role": "user", "content": question}],
+        "answer": str(answer),
+    }
+
+
+def main() -> None:
+    qs = questions()
+    random.Random(SEED).shuffle(qs)
+    out = Path(__file__).with_name("data")
+    out.mkdir(exist_ok=True)
+    for name, part in (("eval", qs[:N_EVAL]), ("train", qs[N_EVAL : N_EVAL + N_TRAIN])):
+        with open(out / f"{name}.jsonl", "w", encoding="utf-8") as f:
+            for q, a in part:
+                f.write(json.dumps(row(q, a)) + "\n")
+
+
+if __name__ == "__main__":
+    main()
