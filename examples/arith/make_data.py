@@ -1,4 +1,4 @@
-"""Writes data/train.jsonl and data/eval.jsonl: small additions and subtractions, seeded, disjoint.
+"""Writes data/train.jsonl and data/test.jsonl (HF datasets reads them as splits "train" and "test"): small additions and subtractions, seeded, disjoint.
 
 Run once (``python make_data.py``); the files are committed, so a recipe run never depends on it.
 Each row is conversational (TRL's ``prompt`` column as a list of messages) with an ``answer``
@@ -18,8 +18,8 @@ N_TRAIN = 500
 
 
 def questions() -> list[tuple[str, int]]:
-    qs = [(f"What is {a} + {b}?", a + b) for a in range(21) for b in range(21)]
-    qs += [(f"What is {a} - {b}?", a - b) for a in range(21) for b in range(a + 1)]
+    qs = [(f"{a} + {b} =", a + b) for a in range(21) for b in range(21)]
+    qs += [(f"{a} - {b} =", a - b) for a in range(21) for b in range(a + 1)]
     return qs
 
 
@@ -35,7 +35,7 @@ def main() -> None:
     random.Random(SEED).shuffle(qs)
     out = Path(__file__).with_name("data")
     out.mkdir(exist_ok=True)
-    for name, part in (("eval", qs[:N_EVAL]), ("train", qs[N_EVAL : N_EVAL + N_TRAIN])):
+    for name, part in (("test", qs[:N_EVAL]), ("train", qs[N_EVAL : N_EVAL + N_TRAIN])):
         with open(out / f"{name}.jsonl", "w", encoding="utf-8") as f:
             for q, a in part:
                 f.write(json.dumps(row(q, a)) + "\n")

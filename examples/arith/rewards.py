@@ -37,3 +37,9 @@ def number_first(prompts: list[Any], completions: list[Any], answer: list[str], 
         m = _NUMBER.search(_text(c))
         out.append(1.0 if m is not None and m.group() == str(a).strip() else 0.0)
     return out
+
+
+def brevity(prompts: list[Any], completions: list[Any], **kwargs: Any) -> list[float]:
+    """Shorter replies score higher (1.0 for an empty one, 0.0 from 16 characters on): the
+    model's habit is "The answer is 12.", and the exact reply is rarely sampled without a push."""
+    return [max(0.0, 1.0 - len(_text(c).strip()) / 16) for c in completions]
