@@ -61,6 +61,23 @@ def recipe_config(recipe: Path, model: str, eval_every: int = 0) -> Any:
     return cfg
 
 
+def plain_text_copy(src: Path, dst: Path) -> Path:
+    """The recipe's jsonl splits with each conversational prompt replaced by its last user
+    message as plain text: the tiny model's byte tokenizer has no chat template, and the reward
+    functions take plain completions as well as message lists."""
+    dst.mkdir(parents=True, exist_ok=True)
+    for f in sorted(src.glob("*.jsonl")):
+        out = []
+        for line in f.read_text(encoding="utf-8").splitlines():
+            row = json.loads(line)
+            prompt = row.get("prompt")
+            if isinstance(prompt, list):
+                row["prompt"] = next((m["content"] for m in reversed(prompt) if m.get("role") == "user"), "")
+            out.append(json.dumps(row))
+        (dst / f.name).write_text("\n".join(out) + "\n", encoding="utf-8")
+    return dst
+
+
 def _eval_rows(status: dict[str, Any]) -> list[dict[str, Any]]:
     ev = status.get("eval")
     hist = ev.get("history") if isinstance(ev, dict) else None
@@ -128,6 +145,8 @@ def run(args: argparse.Namespace) -> int:
             raise SystemExit(str(e)) from e
     cfg = recipe_config(args.recipe, args.model, args.eval_every)
     root = args.dir or Path(tempfile.mkdtemp(prefix="echo2-learn-"))
+    if args.model == "tiny" and Path(cfg.dataset.path).is_dir():
+        cfg.dataset.path = str(plain_text_copy(Path(cfg.dataset.path), root / "data-plain"))
     print(f"bench learn: {args.model}, recipe {args.recipe}, {args.nodes} nodes, {args.minutes:g} min, files in {root}",
           flush=True)
     seen = 0

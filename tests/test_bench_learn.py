@@ -66,3 +66,13 @@ def test_shipped_recipe_config_is_valid_and_made_absolute(tmp_path: Path) -> Non
         file, _, name = f.rpartition(":")
         assert Path(file).is_absolute() and Path(file).is_file() and name
     assert len(cfg.reward_weights) == len(cfg.reward_funcs)
+
+
+def test_tiny_gets_plain_text_prompts(tmp_path: Path) -> None:
+    src = learn.DEFAULT_RECIPE / "data"
+    out = learn.plain_text_copy(src, tmp_path / "plain")
+    assert sorted(p.name for p in out.iterdir()) == ["test.jsonl", "train.jsonl"]
+    a = [json.loads(x) for x in (src / "test.jsonl").read_text().splitlines()]
+    b = [json.loads(x) for x in (out / "test.jsonl").read_text().splitlines()]
+    assert len(a) == len(b)
+    assert b[0]["prompt"] == a[0]["prompt"][-1]["content"] and b[0]["answer"] == a[0]["answer"]
