@@ -1,6 +1,8 @@
 """Task environments: prompts with reference answers and verifiable rewards, computed at the hub.
 
-A :class:`TaskEnv` hands out :class:`PromptItem` s (prompt text + reference answer); the hub
+A :class:`TaskEnv` hands out :class:`~.recipe.PromptItem` s (prompt text; the reference answer in
+``row["answer"]``): :func:`task_rows` turns them into the rows of a generated dataset that the hub
+draws from like any other (``learner_hub/data.py``); the hub
 tokenizes the text with the policy's tokenizer, nodes sample completions, and the hub decodes
 each completion (without its trailing eos) and calls ``env.reward(item, text, finish_reason)``.
 ``finish_reason`` is ``"stop"`` when the completion ended with eos and ``"length"`` when it was
@@ -33,23 +35,30 @@ import json
 import logging
 import random
 import re
-from dataclasses import dataclass, field
 from fractions import Fraction
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
+
+from .recipe import PromptItem
 
 logger = logging.getLogger(__name__)
 
 DIGITS = "0123456789"
 
 
-@dataclass(frozen=True)
-class PromptItem:
-    """One prompt: the text the model sees and the reference answer the reward checks against."""
+def make_item(text: str, answer: str, **columns: Any) -> PromptItem:
+    """A built-in task's prompt: plain text, with ``answer`` (and e.g. ``kind``) as its dataset columns."""
+    return PromptItem(text=text, prompt=text, row={"answer": answer, **columns})
 
-    text: str
-    answer: str
-    meta: dict[str, Any] = field(default_factory=dict, compare=False)
+
+def _answer(item: PromptItem) -> str:
+    # a dataset without an `answer` column scores 0 rather than failing the hub
+    return str(item.row.get("answer", ""))
+
+
+def task_rows(env: TaskEnv, n: int, rng: random.Random) -> list[dict[str, Any]]:
+    """``n`` prompts of a built-in task as dataset rows: columns ``prompt``, ``answer`` and its extras."""
+    return [{"prompt": it.text, **it.row} for it in env.sample_prompts(n, rng)]
 
 
 @runtime_checkable
@@ -101,7 +110,7 @@ class CopyEnv:
         out = []
         for _ in range(n):
             digits = "".join(rng.choice(DIGITS) for _ in range(self.n_digits))
-            out.append(PromptItem(text=digits + self.sep, answer=digits[self.position]))
+            out.append(make_item(digits + self.sep, digits[self.position]))
         return out
 
     def reward(self, item: PromptItem, completion_text: str, finish_reason: str = "stop") -> float:
@@ -109,7 +118,7 @@ class CopyEnv:
             return 0.0
         first = completion_text[0]
         r = 0.0
-        if first == item.answer:
+        if first == _answer(item):
             r += self.correct_w
         if len(completion_text) == 1 and finish_reason == "stop":
             r += self.stop_w
@@ -118,7 +127,7 @@ class CopyEnv:
         return r
 
     def check(self, item: PromptItem, completion_text: str, finish_reason: str = "stop") -> bool:
-        return completion_text == item.answer and finish_reason == "stop"
+        return completion_text == _answer(item) and finish_reason == "stop"
 
 
 class ReverseEnv:
@@ -134,17 +143,19 @@ class ReverseEnv:
         out = []
         for _ in range(n):
             digits = "".join(rng.choice(DIGITS) for _ in range(self.n_digits))
-            out.append(PromptItem(text=digits + "=", answer=digits[::-1]))
+            out.append(make_item(digits + "=", digits[::-1]))
         return out
 
     def reward(self, item: PromptItem, completion_text: str, finish_reason: str = "stop") -> float:
-        ans = item.answer
+        ans = _answer(item)
+        if not ans:
+            return 0.0
         hits = sum(1 for a, c in zip(ans, completion_text, strict=False) if a == c)
         exact_len = len(completion_text) == len(ans) and finish_reason == "stop"
         return 0.9 * hits / len(ans) + (0.1 if exact_len else 0.0)
 
     def check(self, item: PromptItem, completion_text: str, finish_reason: str = "stop") -> bool:
-        return completion_text == item.answer and finish_reason == "stop"
+        return completion_text == _answer(item) and finish_reason == "stop"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -256,15 +267,13 @@ class ArithEnv:
             "a*b+c": a * b + c,
         }[kind]
         q = tmpl.format(name=name, pron=pron, pron_l=pron.lower(), thing=thing, a=a, b=b, c=c, ab=ab)
-        return PromptItem(
-            text=self.prompt_template.format(question=q), answer=str(answer), meta={"kind": kind}
-        )
+        return make_item(self.prompt_template.format(question=q), str(answer), kind=kind)
 
     def sample_prompts(self, n: int, rng: random.Random) -> list[PromptItem]:
         return [self._one(rng) for _ in range(n)]
 
     def reward(self, item: PromptItem, completion_text: str, finish_reason: str = "stop") -> float:
-        return _numeric_reward(item.answer, completion_text, finish_reason, self.truncated_credit)
+        return _numeric_reward(_answer(item), completion_text, finish_reason, self.truncated_credit)
 
     def check(self, item: PromptItem, completion_text: str, finish_reason: str = "stop") -> bool:
         return self.reward(item, completion_text, finish_reason) == 1.0
@@ -308,11 +317,7 @@ class JsonlEnv:
                     logger.warning("jsonl env: %s line %d skipped: no numeric answer", self.path, lineno)
                     continue
                 self.items.append(
-                    PromptItem(
-                        text=self.prompt_template.format(question=q.strip()),
-                        answer=_fraction_text(ref),
-                        meta={"line": lineno},
-                    )
+                    make_item(self.prompt_template.format(question=q.strip()), _fraction_text(ref), line=lineno)
                 )
                 if max_rows is not None and len(self.items) >= max_rows:
                     break
@@ -324,7 +329,7 @@ class JsonlEnv:
         return [rng.choice(self.items) for _ in range(n)]
 
     def reward(self, item: PromptItem, completion_text: str, finish_reason: str = "stop") -> float:
-        return _numeric_reward(item.answer, completion_text, finish_reason, self.truncated_credit)
+        return _numeric_reward(_answer(item), completion_text, finish_reason, self.truncated_credit)
 
     def check(self, item: PromptItem, completion_text: str, finish_reason: str = "stop") -> bool:
         return self.reward(item, completion_text, finish_reason) == 1.0

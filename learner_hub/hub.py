@@ -49,6 +49,7 @@ from .intake import Accept, Intake, Punish, TaskParams, result_tokens
 from .ledger import Ledger
 from .outbox import Outbox
 from .publisher import PolicyPublisher, StarSender
+from .recipe import build_recipe
 from .reputation import Event
 from .rows import encode_groups
 from .serve import serve
@@ -66,6 +67,7 @@ class Hub:
         self.dir.mkdir(mode=0o700, parents=True, exist_ok=True)
         self.identity = load_or_create_identity(self.dir / "hub.key")
         learner, self.tok, self.model_config, self.artifacts = build_learner(cfg)
+        self.recipe = build_recipe(cfg, self.tok, self.artifacts)
         self.env = make_env(cfg.task, **({"path": cfg.dataset.path} if cfg.task == "jsonl" else {}))
         self.dispatcher = Dispatcher(DispatchConfig(
             staleness=cfg.staleness, target_task_s=cfg.task_target_s, min_deadline_s=cfg.task_deadline_s,
@@ -92,7 +94,7 @@ class Hub:
         self.fleet = Fleet(cfg, self.identity.peer_id, self.store, self.ledger, self.dispatcher, self.sender,
                            self.publisher, self.trainer)
         self.fleet.on_ban, self.activate = self._banned, self.fleet.activate
-        self.outbox = Outbox(cfg, self.identity, self.env, self.tok, self.intake, self.trainer, self.fleet, self.store)
+        self.outbox = Outbox(cfg, self.identity, self.recipe.source, self.tok, self.intake, self.trainer, self.fleet, self.store)
         self.learner, self.buffer, self.history = learner, self.trainer.buffer, self.trainer.history
         self.nodes, self.reputation = self.fleet.nodes, self.fleet.reputation
         self.loop_lag = LoopLag()

@@ -1,6 +1,7 @@
 """Tasks out: prompts into the dispatcher's queue, signed tasks into the nodes' mailboxes.
 
-The refill keeps just enough prompt groups in the pipeline for the staleness bound; the pump asks
+The refill keeps just enough prompt groups in the pipeline for the staleness bound, drawing them
+from the recipe's prompt source and saving its position in the store as it goes; the pump asks
 intake for tasks (intake remembers what it asked, to judge the answers) for the nodes that hold a
 fresh enough version, signs them and wakes the node's pending heartbeat.
 """
@@ -15,6 +16,7 @@ from echo2.protocol import envelope
 from echo2.protocol.identity import Identity
 
 from .config import HubConfig
+from .data import POSITION_KEY, PromptSource
 from .dispatch import PromptGroup
 from .fleet import Fleet
 from .intake import Intake
@@ -28,17 +30,22 @@ class Outbox:
         self,
         cfg: HubConfig,
         identity: Identity,
-        env: Any,
+        source: PromptSource,
         tok: Any,
         intake: Intake,
         trainer: Trainer,
         fleet: Fleet,
         store: StoreWorker,
     ) -> None:
-        self.cfg, self.identity, self.env, self.tok = cfg, identity, env, tok
+        self.cfg, self.identity, self.source, self.tok = cfg, identity, source, tok
         self.intake, self.trainer, self.fleet, self.store = intake, trainer, fleet, store
         self.dispatcher = intake.dispatcher
         self.rng = random.Random(cfg.seed)
+        # Why the draw position and not prompt_seq: prompt_seq comes back from the last checkpoint,
+        # so prompts drawn after it (some already trained: their results are restored) would be
+        # drawn again. The position is queued to the store before the tasks holding its prompts,
+        # so a task on record implies its prompts are past the saved position.
+        source.restore(store.get_meta(POSITION_KEY))
 
     def refill(self) -> None:
         """Keep B·max(1, S-1) groups in the pipeline: the next batch(es), never more than S allows."""
@@ -58,10 +65,10 @@ class Outbox:
         if need <= 0:
             return
         groups = []
-        for item in self.env.sample_prompts(need, self.rng):
+        for item in self.source.draw(need):
             self.trainer.prompt_seq += 1
-            ids = self.tok.encode(item.text, add_bos=True)
-            groups.append(PromptGroup(f"p{self.trainer.prompt_seq}", tuple(ids), self.cfg.group_size, item))
+            groups.append(PromptGroup(f"p{self.trainer.prompt_seq}", item.ids, self.cfg.group_size, item))
+        self.store.submit(HubStore.set_meta, POSITION_KEY, self.source.position())
         self.dispatcher.submit(groups)
 
     def pump(self) -> None:

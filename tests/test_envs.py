@@ -11,10 +11,10 @@ import pytest
 
 from echo2.learner_hub.envs import (
     ArithEnv,
-    PromptItem,
     TaskEnv,
     final_number,
     make_env,
+    make_item,
     reference_number,
 )
 
@@ -33,8 +33,8 @@ def test_copy_prompts_and_rewards() -> None:
     assert items == env.sample_prompts(50, random.Random(1))  # deterministic per rng seed
     for it in items:
         assert len(it.text) == 3 and it.text[2] == "=" and it.text[:2].isdigit()
-        assert it.answer == it.text[1]
-    it = PromptItem("73=", "3")
+        assert it.row["answer"] == it.text[1]
+    it = make_item("73=", "3")
     assert env.reward(it, "3", "stop") == pytest.approx(1.0) and env.check(it, "3", "stop")
     assert env.reward(it, "3", "length") == pytest.approx(0.8)  # right digit, never stopped
     assert env.reward(it, "37", "stop") == pytest.approx(0.8)  # right digit, then junk
@@ -53,8 +53,8 @@ def test_copy_prompts_and_rewards() -> None:
 def test_reverse_partial_credit() -> None:
     env = make_env("reverse")
     for it in env.sample_prompts(20, random.Random(2)):
-        assert it.answer == it.text[:3][::-1] and it.text.endswith("=")
-    it = PromptItem("123=", "321")
+        assert it.row["answer"] == it.text[:3][::-1] and it.text.endswith("=")
+    it = make_item("123=", "321")
     assert env.reward(it, "321", "stop") == pytest.approx(1.0)
     assert env.reward(it, "324", "stop") == pytest.approx(0.9 * 2 / 3 + 0.1)
     assert env.reward(it, "321", "length") == pytest.approx(0.9)
@@ -81,10 +81,10 @@ def test_number_parsing() -> None:
 def test_arith_prompts_answers_and_reward() -> None:
     env = ArithEnv(max_value=30)
     items = env.sample_prompts(200, random.Random(3))
-    assert {it.meta["kind"] for it in items} == {"a+b-c", "a*b", "ab/b", "a-c+b", "a*b+c"}
+    assert {it.row["kind"] for it in items} == {"a+b-c", "a*b", "ab/b", "a-c+b", "a*b+c"}
     for it in items:
-        assert int(it.answer) >= 0 and "Question:" in it.text
-    it = PromptItem("q", "14")
+        assert int(it.row["answer"]) >= 0 and "Question:" in it.text
+    it = make_item("q", "14")
     assert env.reward(it, "12 + 7 - 5 = 14", "stop") == 1.0
     assert env.reward(it, "12 + 7 - 5 = 14", "length") == 0.5
     assert env.reward(it, "The answer is 14.0", "stop") == 1.0
@@ -97,9 +97,9 @@ def test_arith_answers_are_consistent() -> None:
     # Recompute the answer from the numbers in a known template.
     env = ArithEnv()
     for it in env.sample_prompts(100, random.Random(4)):
-        if it.meta["kind"] == "a*b":
+        if it.row["kind"] == "a*b":
             nums = [int(x) for x in __import__("re").findall(r"\d+", it.text)]
-            assert int(it.answer) == nums[0] * nums[1]
+            assert int(it.row["answer"]) == nums[0] * nums[1]
 
 
 def test_jsonl_env(tmp_path: Path) -> None:
@@ -115,7 +115,7 @@ def test_jsonl_env(tmp_path: Path) -> None:
     p.write_text("\n".join(lines) + "\n", encoding="utf-8")
     env = make_env("jsonl", path=p)
     assert len(env.items) == 3 and env.skipped == 4  # type: ignore[attr-defined]
-    assert [it.answer for it in env.items] == ["5", "3.5", "12"]  # type: ignore[attr-defined]
+    assert [it.row["answer"] for it in env.items] == ["5", "3.5", "12"]  # type: ignore[attr-defined]
     assert env.items[0].text == "Question: What is 2+3?\nAnswer:"  # type: ignore[attr-defined]
     got = env.sample_prompts(10, random.Random(0))
     assert len(got) == 10 and all(g in env.items for g in got)  # type: ignore[attr-defined]
