@@ -76,3 +76,26 @@ def test_tiny_gets_plain_text_prompts(tmp_path: Path) -> None:
     b = [json.loads(x) for x in (out / "test.jsonl").read_text().splitlines()]
     assert len(a) == len(b)
     assert b[0]["prompt"] == a[0]["prompt"][-1]["content"] and b[0]["answer"] == a[0]["answer"]
+
+
+def test_shipped_recipe_builds_for_tiny_and_smollm2(tmp_path: Path) -> None:
+    """The hub's own recipe builder takes the shipped recipe: tiny on its plain-text copy, and
+    SmolLM2 (when converted) on the conversational files through its chat template."""
+    from echo2.learner_hub.recipe import build_recipe
+    from echo2.models import gguf
+    from echo2.models import spec as modelspec
+
+    cfg = learn.recipe_config(learn.DEFAULT_RECIPE, "tiny")
+    cfg.dataset.path = str(learn.plain_text_copy(Path(cfg.dataset.path), tmp_path / "plain"))
+    _, arts = modelspec.artifacts_for(modelspec.tiny_config(), modelspec.tokenizer_json())
+    rec = build_recipe(cfg, modelspec.load_tokenizer(arts), arts)
+    assert len(rec.eval_items) == 100 and rec.reward_weights == [1.0, 0.5, 0.3]
+    smol = gguf.cache_dir() / gguf.SMOLLM2_DIRNAME
+    if not gguf.is_model_dir(smol):
+        pytest.skip("SmolLM2 not converted here (echo2 model import-gguf smollm2 --out ...)")
+    cfg = learn.recipe_config(learn.DEFAULT_RECIPE, "smollm2")
+    arts = {n: (smol / n).read_bytes() for n in ("tokenizer.json", "tokenizer_config.json") if (smol / n).is_file()}
+    rec = build_recipe(cfg, modelspec.load_tokenizer(arts), arts)
+    item = rec.eval_items[0]
+    assert item.conversational and len(rec.eval_items) == 100
+    assert item.text.startswith("<|im_start|>system\nReply with only the number.") and item.text.endswith("<|im_start|>assistant\n")
