@@ -40,6 +40,13 @@ def number_first(prompts: list[Any], completions: list[Any], answer: list[str], 
 
 
 def brevity(prompts: list[Any], completions: list[Any], **kwargs: Any) -> list[float]:
-    """Shorter replies score higher (1.0 for an empty one, 0.0 from 16 characters on): the
-    model's habit is "The answer is 12.", and the exact reply is rarely sampled without a push."""
-    return [max(0.0, 1.0 - len(_text(c).strip()) / 16) for c in completions]
+    """A number with little around it scores high: 1.0 for a bare number, less for each extra
+    character, 0.0 from 16 extra characters on and for a reply with no number at all (an empty
+    reply must not win). The model's habit is "The answer is 12.", and the exact reply is rarely
+    sampled without a push."""
+    out = []
+    for c in completions:
+        t = _text(c).strip()
+        m = _NUMBER.search(t)
+        out.append(0.0 if m is None else max(0.0, 1.0 - (len(t) - len(m.group())) / 16))
+    return out
