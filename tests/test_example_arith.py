@@ -51,7 +51,7 @@ def test_rewards_take_trl_keywords_and_score_conversational_and_plain_completion
     br = r.brevity(completions=conv, answer=answer, **kw)
     assert br[0] == 1.0 and br[4] == 1.0 and br[2] < 0.1 and all(0.0 <= x <= 1.0 for x in br)
     # an empty or number-less reply gets nothing: brevity alone must not be a way to score
-    assert r.brevity(completions=[[{"role": "assistant", "content": x}] for x in ["", "ok", "user"]]) == [0.0] * 3
+    assert r.brevity(prompts=[""] * 3, completions=[[{"role": "assistant", "content": x}] for x in ["", "ok", "user"]]) == [0.0] * 3
     # a plain-text dataset passes strings: the same functions work
     assert r.correctness(completions=["12", "no"], answer=["12", "12"], prompts=["", ""]) == [1.0, 0.0]
 
