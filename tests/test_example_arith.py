@@ -49,9 +49,10 @@ def test_rewards_take_trl_keywords_and_score_conversational_and_plain_completion
     assert r.correctness(completions=conv, answer=answer, **kw) == [1.0, 1.0, 0.0, 0.0, 0.0]
     assert r.number_first(completions=conv, answer=answer, **kw) == [1.0, 1.0, 1.0, 0.0, 0.0]
     br = r.brevity(completions=conv, answer=answer, **kw)
-    assert br[0] == 1.0 and br[4] == 1.0 and br[2] < 0.1 and all(0.0 <= x <= 1.0 for x in br)
-    # an empty or number-less reply gets nothing: brevity alone must not be a way to score
-    assert r.brevity(prompts=[""] * 3, completions=[[{"role": "assistant", "content": x}] for x in ["", "ok", "user"]]) == [0.0] * 3
+    assert br[0] == 1.0 and br[2] < 0.1 and br[3] == br[4] == 0.0 and all(0.0 <= x <= 1.0 for x in br)
+    # an empty reply, no number, the question echoed back: brevity alone must not be a way to score
+    bad = [[{"role": "assistant", "content": x}] for x in ["", "ok", "user", "16 - 10"]]
+    assert r.brevity(prompts=[""] * 4, completions=bad, answer=["6"] * 4) == [0.0] * 4
     # a plain-text dataset passes strings: the same functions work
     assert r.correctness(completions=["12", "no"], answer=["12", "12"], prompts=["", ""]) == [1.0, 0.0]
 

@@ -39,14 +39,15 @@ def number_first(prompts: list[Any], completions: list[Any], answer: list[str], 
     return out
 
 
-def brevity(prompts: list[Any], completions: list[Any], **kwargs: Any) -> list[float]:
-    """A number with little around it scores high: 1.0 for a bare number, less for each extra
-    character, 0.0 from 16 extra characters on and for a reply with no number at all (an empty
-    reply must not win). The model's habit is "The answer is 12.", and the exact reply is rarely
-    sampled without a push."""
+def brevity(prompts: list[Any], completions: list[Any], answer: list[str], **kwargs: Any) -> list[float]:
+    """The right number with little around it scores high: 1.0 for the bare answer, less for each
+    extra character, 0.0 from 16 extra characters on. Only a reply whose first number is the
+    answer earns it: an empty reply, or the question echoed back ("16 - 10"), must not be a way
+    to score (SmolLM2 found both when this credit did not look at the answer)."""
     out = []
-    for c in completions:
+    for c, a in zip(completions, answer, strict=True):
         t = _text(c).strip()
         m = _NUMBER.search(t)
-        out.append(0.0 if m is None else max(0.0, 1.0 - (len(t) - len(m.group())) / 16))
+        ok = m is not None and m.group() == str(a).strip()
+        out.append(max(0.0, 1.0 - (len(t) - len(m.group())) / 16) if ok and m is not None else 0.0)
     return out
