@@ -1,8 +1,8 @@
 """``echo2 bench learn``: does a real model get better through the swarm, and how fast?
 
 A live hub and two node processes on 127.0.0.1 (``bench/swarm.py``) run a recipe directory
-(default: the shipped ``examples/arith``: SmolLM2-135M-Instruct, small additions and
-subtractions, TRL-style reward functions) for ``--minutes``. The hub evaluates the held-out
+(default: the shipped ``examples/arith``: SmolLM2-135M-Instruct, single-digit additions,
+TRL-style reward functions) for ``--minutes``. The hub evaluates the held-out
 split through the swarm every ``eval_every`` steps, step 0 included; this bench reads those
 figures from the hub's ``status.json`` (key ``eval``) and reports accuracy and mean reward
 before training and after each evaluation, the steps taken, wall time and tokens per second.

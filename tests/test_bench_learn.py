@@ -89,7 +89,7 @@ def test_shipped_recipe_builds_for_tiny_and_smollm2(tmp_path: Path) -> None:
     cfg.dataset.path = str(learn.plain_text_copy(Path(cfg.dataset.path), tmp_path / "plain"))
     _, arts = modelspec.artifacts_for(modelspec.tiny_config(), modelspec.tokenizer_json())
     rec = build_recipe(cfg, modelspec.load_tokenizer(arts), arts)
-    assert len(rec.eval_items) == 100 and rec.reward_weights == [1.0, 0.5, 0.3]
+    assert len(rec.eval_items) == 30 and rec.reward_weights == [1.0, 0.5, 0.3]
     smol = gguf.cache_dir() / gguf.SMOLLM2_DIRNAME
     if not gguf.is_model_dir(smol):
         pytest.skip("SmolLM2 not converted here (echo2 model import-gguf smollm2 --out ...)")
@@ -97,5 +97,5 @@ def test_shipped_recipe_builds_for_tiny_and_smollm2(tmp_path: Path) -> None:
     arts = {n: (smol / n).read_bytes() for n in ("tokenizer.json", "tokenizer_config.json") if (smol / n).is_file()}
     rec = build_recipe(cfg, modelspec.load_tokenizer(arts), arts)
     item = rec.eval_items[0]
-    assert item.conversational and len(rec.eval_items) == 100
+    assert item.conversational and len(rec.eval_items) == 30
     assert item.text.startswith("<|im_start|>system\nReply with only the number.") and item.text.endswith("<|im_start|>assistant\n")

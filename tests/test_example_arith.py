@@ -26,7 +26,7 @@ def _rows(name: str) -> list[dict[str, object]]:
 
 def test_splits_are_disjoint_and_regenerate_identically(tmp_path: Path) -> None:
     train, test = _rows("train"), _rows("test")
-    assert len(train) == 500 and len(test) == 100
+    assert len(train) == 51 and len(test) == 30
     key = lambda r: json.dumps(r["prompt"])  # noqa: E731
     assert not {key(r) for r in train} & {key(r) for r in test}
     for r in train + test:

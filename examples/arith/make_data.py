@@ -1,4 +1,4 @@
-"""Writes data/train.jsonl and data/test.jsonl (HF datasets reads them as splits "train" and "test"): small additions and subtractions, seeded, disjoint.
+"""Writes data/train.jsonl and data/test.jsonl (HF datasets reads them as splits "train" and "test"): single-digit additions, seeded, disjoint.
 
 Run once (``python make_data.py``); the files are committed, so a recipe run never depends on it.
 Each row is conversational (TRL's ``prompt`` column as a list of messages) with an ``answer``
@@ -13,14 +13,14 @@ from pathlib import Path
 
 SYSTEM = "Reply with only the number."
 SEED = 16
-N_EVAL = 100
-N_TRAIN = 500
+N_EVAL = 30  # of the 81 sums of two digits 1-9; the other 51 are the training split
 
 
 def questions() -> list[tuple[str, int]]:
-    qs = [(f"{a} + {b} =", a + b) for a in range(21) for b in range(21)]
-    qs += [(f"{a} - {b} =", a - b) for a in range(21) for b in range(a + 1)]
-    return qs
+    # Two-digit operands were tried first: SmolLM2-135M learnt the bare-number format but then
+    # answered with the first operand (held-out accuracy 0.00 -> 0.10 in 20 min); single digits
+    # are sums it knows once it stops talking.
+    return [(f"{a} + {b} =", a + b) for a in range(1, 10) for b in range(1, 10)]
 
 
 def row(question: str, answer: int) -> dict[str, object]:
@@ -35,7 +35,7 @@ def main() -> None:
     random.Random(SEED).shuffle(qs)
     out = Path(__file__).with_name("data")
     out.mkdir(exist_ok=True)
-    for name, part in (("test", qs[:N_EVAL]), ("train", qs[N_EVAL : N_EVAL + N_TRAIN])):
+    for name, part in (("test", qs[:N_EVAL]), ("train", qs[N_EVAL:])):
         with open(out / f"{name}.jsonl", "w", encoding="utf-8") as f:
             for q, a in part:
                 f.write(json.dumps(row(q, a)) + "\n")
