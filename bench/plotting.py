@@ -86,3 +86,18 @@ def broadcast_figure(rows: Sequence[dict[str, Any]], modes: Sequence[str], *, mb
         sim = " (simulated)" if simulated else ""
         ax.set_title(f"broadcast of {mbytes:g} MB at {link_MBps:g} MB/s{sim}")
         ax.legend()
+
+
+def learn_figure(report: dict[str, Any], path: Path | str) -> None:
+    """Held-out accuracy (from the swarm's evaluations) and train reward against wall time."""
+    evals = [e for e in report["evals"] if e.get("wall_s") is not None and e.get("accuracy") is not None]
+    train = [t for t in report["train"] if t.get("wall_s") is not None and t.get("reward") is not None]
+    with _figure(path, 100, nrows=1, ncols=2, figsize=(11, 4)) as (a, b):
+        a.plot([e["wall_s"] for e in evals], [e["accuracy"] for e in evals], marker="o")
+        a.set_xlabel("wall time (s)")
+        a.set_ylabel("held-out accuracy")
+        a.set_ylim(0, 1.05)
+        b.plot([t["wall_s"] for t in train], [t["reward"] for t in train])
+        b.set_xlabel("wall time (s)")
+        b.set_ylabel("train reward (mean per step)")
+        a.figure.suptitle(f"echo2 bench learn: {report['model']}, {report['nodes']} nodes, {report['steps']} steps")

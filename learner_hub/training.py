@@ -38,6 +38,7 @@ def build_learner(cfg: HubConfig) -> tuple[Learner, Any, str, dict[str, bytes]]:
     """The policy to train (tiny, or a local model), its tokenizer, config and artifacts."""
     import torch
 
+    from echo2.models import gguf
     from echo2.models import spec as modelspec
 
     check_sampling(cfg)  # also for a HubConfig built in code, which never passed load_config
@@ -48,7 +49,7 @@ def build_learner(cfg: HubConfig) -> tuple[Learner, Any, str, dict[str, bytes]]:
         model_config, artifacts = modelspec.artifacts_for(conf, modelspec.tokenizer_json())
         model = modelspec.model_from_config(model_config)
     else:
-        model, model_config, artifacts = modelspec.load_local_model(cfg.model)
+        model, model_config, artifacts = modelspec.load_local_model(gguf.resolve_model(cfg.model))
     tok = modelspec.load_tokenizer(artifacts)
     # The KL reference is the initial policy, frozen.
     ref_model = copy.deepcopy(model).eval().requires_grad_(False) if cfg.kl_coef > 0 else None
