@@ -44,6 +44,21 @@ class Published:
             self.full_cache[index] = enc
         return enc
 
+    def shed(self) -> None:
+        """Drop the chunk bytes, keep the figures: an old version stays for late holds reports
+        only. (Keeping 16 versions of SmolLM2-135M whole, 325 MB raw each plus their encodings,
+        took the hub to 20 GB and the OOM killer within 30 steps.)"""
+        self.packed = packing.PackedVersion(self.packed.manifest, raw_chunks=[], encoded=[])
+        self.full_cache.clear()
+
+    @property
+    def has_data(self) -> bool:
+        return bool(self.packed.raw_chunks)
+
+
+#: versions whose figures are kept for late holds reports
+KEEP_RECENT = 16
+
 
 class PolicyPublisher:
     def __init__(self, identity: Identity, model_config: str, artifacts: dict[str, bytes], cfg: Any) -> None:
@@ -52,6 +67,9 @@ class PolicyPublisher:
         self.artifacts = artifacts
         self.chunk_size = int(cfg.chunk_bytes) or packing.DEFAULT_CHUNK_SIZE
         self.full_every = int(cfg.full_every)
+        # chunk bytes are kept for the versions still in use: verification of stale rows reads
+        # versions t-S..t, and nodes may still be fetching the one before the latest
+        self.keep_data = max(2, int(getattr(cfg, "staleness", 1)) + 2)
         self.latest: Published | None = None
         self.history: list[dict[str, Any]] = []
         self.load_s: dict[str, float] = {}  # D_i: EWMA of publication -> node holds it, per node
@@ -84,8 +102,10 @@ class PolicyPublisher:
         pub = Published(version, packed, env, time.time())
         self.latest = pub
         self.recent[version] = pub
-        for old in sorted(self.recent)[:-16]:
+        for old in sorted(self.recent)[:-KEEP_RECENT]:
             self._close_metrics(self.recent.pop(old))
+        for old in sorted(self.recent)[:-self.keep_data]:
+            self.recent[old].shed()
         enc = sum(len(e) for e in packed.encoded)
         log.info(
             "published version %d: %d chunks, %.2f MB raw, %.2f MB encoded (%.1fs to pack)",

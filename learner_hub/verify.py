@@ -153,7 +153,7 @@ def published_weights(publisher: Any) -> Callable[[int], dict[str, torch.Tensor]
 
     def weights(version: int) -> dict[str, torch.Tensor] | None:
         pub = publisher.recent.get(version)
-        if pub is None:
+        if pub is None or not pub.has_data:
             return None
         sd: dict[str, torch.Tensor] = statedict.assemble(pub.packed.manifest, pub.packed.raw_chunks)
         return sd
