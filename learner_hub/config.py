@@ -115,6 +115,8 @@ class HubConfig:
     activation_margin: Annotated[float, _doc("R* = margin * B / T_train", gt=0)] = 1.25
     full_every: Annotated[int, _doc("a full snapshot every K versions bounds delta chains", ge=1)] = 10
     exit_when_done: Annotated[bool, _doc("stop the hub after `steps`")] = False
+    micro_batch_tokens: Annotated[int, _doc("padded tokens per learner micro-batch (gradients accumulate over them; bounds activation memory)", ge=64)] = 16384
+    memory_check: Annotated[bool, _doc("refuse to start when a learner rank cannot hold its share of the model (estimate printed at start-up)")] = True
     checkpoint_every: Annotated[int, _doc("checkpoint policy, optimizer and step every K steps (restart resumes)", ge=0)] = 10
     logprob_tolerance: Annotated[float, _doc("node log-probs must match the learner's recompute within this", ge=0)] = 1e-3
     verify_fraction: Annotated[float, _doc("share of each node's rows recomputed before a step (1 = all; less: a secret random draw, at least one row per node)", gt=0, le=1)] = 1.0

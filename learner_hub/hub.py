@@ -58,7 +58,7 @@ from .rows import Group, encode_groups
 from .serve import serve
 from .store import HubStore
 from .storeworker import StoreWorker
-from .training import Trainer, build_learner
+from .training import Trainer, build_learner, learner_memory
 
 NODE_SILENCE_S = 3 * WORK_POLL_S + 15.0
 
@@ -74,6 +74,8 @@ class Hub:
         # the operator's reward code first: a bad spec is reported before a model is loaded
         if cfg.reward_funcs:
             load_reward_funcs(cfg.reward_funcs, cfg.reward_weights)
+        # sized from the model's config before any weight is loaded: a rank that cannot hold its share is refused
+        self.memory_plan = learner_memory(cfg)
         learner, self.tok, self.model_config, self.artifacts = build_learner(cfg)
         # the recipe: prompts (dataset, built-in task or verifiers environment) and its reward functions
         self.recipe = build_recipe(cfg, self.tok, self.artifacts)

@@ -35,6 +35,7 @@ def hub_status(hub: Hub) -> dict[str, Any]:
         "learner_busy_fraction": tr.busy_fraction(),
         "predicted_busy_fraction": fleet.predicted_busy_fraction(),
         "t_train_s": tr.t_train(),
+        "learner_memory": hub.memory_plan.as_dict(),
         "results_accepted": st.accepted,
         "rollouts_accepted": st.accepted_rollouts,
         "stale_dropped": st.stale_dropped + tr.buffer.stale_dropped,

@@ -59,8 +59,42 @@ def build_learner(cfg: HubConfig) -> tuple[Learner, Any, str, dict[str, bytes]]:
         ref_model=ref_model, epsilon_high=cfg.epsilon_high, loss_type=cfg.loss_type, scale_rewards=cfg.scale_rewards,
         max_is_ratio=cfg.max_is_ratio, mask_truncated_completions=cfg.mask_truncated_completions,
         num_iterations=cfg.num_iterations, max_completion_length=cfg.max_new_tokens,
+        micro_batch_tokens=cfg.micro_batch_tokens,
     )
     return learner, tok, model_config, artifacts
+
+
+def learner_memory(cfg: HubConfig) -> Any:
+    """The learner's memory plan for ``cfg`` (memory.py), from the model's config alone: printed
+    at start-up and refused, before anything is loaded, when a rank cannot hold its share."""
+    from echo2.models import gguf
+    from echo2.models import spec as modelspec
+
+    from . import memory
+
+    if cfg.model == "tiny":
+        conf = modelspec.tiny_config(hidden=cfg.tiny_hidden, layers=cfg.tiny_layers)
+        model_config, _ = modelspec.artifacts_for(conf, modelspec.tokenizer_json())
+    else:
+        model_config = modelspec.local_model_config(gguf.resolve_model(cfg.model))
+    lora = getattr(cfg, "lora", None) or None
+    ranks = int(getattr(cfg, "learner_procs", 1) or 1)
+    mem = memory.plan(
+        memory.count_params(model_config, lora), ranks=ranks, micro_batch_tokens=cfg.micro_batch_tokens,
+        compute_dtype=cfg.dtype, publish_dtype=cfg.publish_dtype, kl_reference=cfg.kl_coef > 0, lora=bool(lora),
+        activation_checkpointing=bool(getattr(cfg, "activation_checkpointing", False)), kept_versions=cfg.staleness + 2,
+        step_tokens=cfg.prompts_per_step * cfg.group_size * (cfg.max_prompt_tokens + cfg.max_new_tokens),
+    )
+    log.info("%s", mem.describe())
+    if cfg.memory_check:
+        device = str(getattr(cfg, "learner_device", "") or "cpu")
+        warning = memory.check(
+            mem, memory.available_bytes(device, local_ranks=ranks), what=f"each of the {ranks} learner rank(s)",
+            micro_batch_tokens=cfg.micro_batch_tokens,
+        )
+        if warning:
+            log.warning("%s", warning)
+    return mem
 
 
 class Trainer:

@@ -48,7 +48,7 @@ Model: TypeAlias = Any
 __all__ = [
     "BOS_TOKEN", "BYTE_VOCAB_SIZE", "EOS_TOKEN", "MAX_ARTIFACTS", "MAX_ARTIFACT_BYTES", "PAD_TOKEN",
     "SPECIAL_TOKENS", "SUPPORTED_MODEL_TYPES", "TokenizerHandle", "artifacts_for", "build_byte_tokenizer",
-    "config_json", "hf_config_from_json", "load_local_model", "load_tokenizer", "model_from_config",
+    "config_json", "hf_config_from_json", "load_local_model", "local_model_config", "load_tokenizer", "model_from_config",
     "parse_model_config", "teacher_forced_batch", "teacher_forced_logprobs", "tiny_config", "tokenizer_json",
 ]
 
@@ -222,6 +222,22 @@ def load_tokenizer(artifacts: dict[str, bytes]) -> TokenizerHandle:
     )
 
 
+def local_model_config(path: str | os.PathLike[str]) -> str:
+    """The published config JSON of a local HF model directory (architecture keys only), read
+    without loading weights: the hub sizes its learner from it before it loads anything."""
+    p = os.fspath(path)
+    with open(os.path.join(p, "config.json"), encoding="utf-8") as f:
+        cfg = json.load(f)
+    for k in CHECKPOINT_ONLY_KEYS:
+        cfg.pop(k, None)
+    cfg, dropped = allowed_part(cfg)
+    if dropped:
+        log.info("%s: config keys %s are not published (nodes accept architecture keys only)", p, dropped)
+    model_config = config_json(cfg)
+    parse_model_config(model_config)
+    return model_config
+
+
 def load_local_model(
     path: str | os.PathLike[str], dtype: torch.dtype = torch.float32
 ) -> tuple[Model, str, dict[str, bytes]]:
@@ -232,8 +248,7 @@ def load_local_model(
     from transformers import AutoModelForCausalLM
 
     p = os.fspath(path)
-    with open(os.path.join(p, "config.json"), encoding="utf-8") as f:
-        cfg = json.load(f)
+    model_config = local_model_config(p)
     artifacts: dict[str, bytes] = {}
     for name in LOCAL_ARTIFACT_FILES:
         fp = os.path.join(p, name)
@@ -246,13 +261,6 @@ def load_local_model(
             artifacts[name] = f.read()
     if "tokenizer.json" not in artifacts:
         raise ManifestError(f"{p} has no tokenizer.json")
-    for k in CHECKPOINT_ONLY_KEYS:
-        cfg.pop(k, None)
-    cfg, dropped = allowed_part(cfg)
-    if dropped:
-        log.info("%s: config keys %s are not published (nodes accept architecture keys only)", p, dropped)
-    model_config = config_json(cfg)
-    parse_model_config(model_config)
     model = AutoModelForCausalLM.from_pretrained(
         p, dtype=dtype, local_files_only=True, attn_implementation=BUILTIN_ATTENTION, trust_remote_code=False
     )
