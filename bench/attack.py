@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import tempfile
 import threading
 import time
@@ -23,6 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from echo2.bench import attack_cpu
 from echo2.bench.attack_rows import Window, build_row, counter_delta, error_row, rate, summary, table
 from echo2.bench.attack_swarm import Harness
 
@@ -109,6 +111,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--startup-timeout", type=float, default=240.0)
     parser.add_argument("--dir", type=Path, default=None, help="keep the swarm's files here (default: a temp dir)")
     parser.add_argument("--json", type=Path, default=None, help="write the rows here")
+    parser.add_argument(
+        "--attacker-cpus", default="auto",
+        help="CPUs the attacker (this process) runs on, the hub and honest nodes on the rest: auto (the last CPU "
+             "when there are 2+), none (all share), or a list like 3 or 2,3 (see bench/attack_cpu.py)",
+    )
 
 
 class _Sampler:
@@ -140,7 +147,13 @@ class _Sampler:
         self._t.join(timeout=5)
 
 
-def run_one(h: Harness, attack: Attack, seconds: float, baseline_s: float) -> dict[str, Any]:
+def _swarm_pids(h: Harness) -> tuple[list[int], list[int]]:
+    hub = h.swarm.hub
+    return ([hub.pid] if hub is not None else []), [p.pid for p in h.swarm.nodes[: h.n_nodes]]
+
+
+def run_one(h: Harness, attack: Attack, seconds: float, baseline_s: float,
+            cpus: tuple[set[int], set[int]] | None = None) -> dict[str, Any]:
     import trio
 
     if not h.heal():
@@ -148,6 +161,11 @@ def run_one(h: Harness, attack: Attack, seconds: float, baseline_s: float) -> di
             h.wait_progress(90)  # the previous attack may have left the honest nodes waiting on its tasks
         except (RuntimeError, TimeoutError):
             h.heal(restart_nodes=True)
+    if cpus is not None:  # after heal: a host restarted by this process must be moved back too
+        hub_pids, node_pids = _swarm_pids(h)
+        for pid in hub_pids + node_pids:
+            attack_cpu.pin(pid, cpus[0])
+        attack_cpu.pin(os.getpid(), cpus[1])
     r0, t0 = h.honest_rollouts(), time.monotonic()
     time.sleep(baseline_s)
     base = rate(r0, h.honest_rollouts(), time.monotonic() - t0)
@@ -162,6 +180,8 @@ def run_one(h: Harness, attack: Attack, seconds: float, baseline_s: float) -> di
         return "not measured: the attack overran its time", None
 
     t_start = time.monotonic()
+    hub_pids, node_pids = _swarm_pids(h)
+    cpu0 = [attack_cpu.cpu_seconds([os.getpid()]), attack_cpu.cpu_seconds(hub_pids), attack_cpu.cpu_seconds(node_pids)]
     with _Sampler(h) as sampler:
         try:
             effect, prevented = trio.run(main)
@@ -172,6 +192,7 @@ def run_one(h: Harness, attack: Attack, seconds: float, baseline_s: float) -> di
             effect, prevented = f"not measured: {type(exc).__name__}: {exc}", None
         ctx.end()
         time.sleep(3.0)  # a host that is dying at the end of the window gets a moment to show it
+    cpu1 = [attack_cpu.cpu_seconds([os.getpid()]), attack_cpu.cpu_seconds(hub_pids), attack_cpu.cpu_seconds(node_pids)]
     dead = h.dead()
     after = h.refusals()
     w = Window(
@@ -186,15 +207,19 @@ def run_one(h: Harness, attack: Attack, seconds: float, baseline_s: float) -> di
     except (RuntimeError, TimeoutError) as exc:
         healed = [f"failed: {exc}"]
     row["detail"]["restarted_after"] = healed
+    row["detail"]["cpu_s"] = {k: round(b - a, 1) for k, a, b in zip(("attacker", "hub", "nodes"), cpu0, cpu1, strict=True)}
+    row["detail"]["cpus"] = None if cpus is None else {"victims": sorted(cpus[0]), "attacker": sorted(cpus[1])}
     return row
 
 
 def attack_swarm(root: Path, ids: list[str], seconds: float, baseline_s: float, seed: int = 0, n_nodes: int = 2,
-                 startup_timeout_s: float = 240.0, on_row: Callable[[dict[str, Any]], None] | None = None) -> dict[str, Any]:
+                 startup_timeout_s: float = 240.0, on_row: Callable[[dict[str, Any]], None] | None = None,
+                 attacker_cpus: str = "none") -> dict[str, Any]:
     attacks = registry()
     unknown = [i for i in ids if i not in attacks]
     if unknown:
         raise ValueError(f"unknown attack ids {unknown}; known: {', '.join(attacks)}")
+    cpus = attack_cpu.split(attacker_cpus)
     h = Harness(root, n_nodes, seed)
     rows: list[dict[str, Any]] = []
     t0 = time.monotonic()
@@ -202,7 +227,7 @@ def attack_swarm(root: Path, ids: list[str], seconds: float, baseline_s: float, 
         h.start(startup_timeout_s)
         for aid in ids:
             try:
-                row = run_one(h, attacks[aid], seconds, baseline_s)
+                row = run_one(h, attacks[aid], seconds, baseline_s, cpus)
             except (RuntimeError, TimeoutError) as exc:
                 row = error_row(aid, str(exc))
             rows.append(row)
@@ -210,6 +235,8 @@ def attack_swarm(root: Path, ids: list[str], seconds: float, baseline_s: float, 
                 on_row(row)
     finally:
         h.stop()
+        if cpus is not None:
+            attack_cpu.pin(os.getpid(), cpus[0] | cpus[1])
     return {"rows": rows, "summary": summary(rows), "seconds": round(time.monotonic() - t0, 1),
             "attack_seconds": seconds, "baseline_seconds": baseline_s, "restarts": h.restarts, "dir": str(root),
             "rebuilt_swarms": h.rebuilds}
@@ -233,7 +260,8 @@ def run(args: argparse.Namespace) -> int:
             Path(args.json).write_text(json.dumps(done, indent=1))
 
     print(table([]), flush=True)
-    report = attack_swarm(root, ids, args.seconds, args.baseline, args.seed, args.nodes, args.startup_timeout, show)
+    report = attack_swarm(root, ids, args.seconds, args.baseline, args.seed, args.nodes, args.startup_timeout, show,
+                          args.attacker_cpus)
     print(f"echo2 bench attack: {len(report['rows'])} attacks in {report['seconds']} s ({root})")
     for k, v in sorted(report["summary"].items()):
         print(f"  {k:9s} {', '.join(v)}")

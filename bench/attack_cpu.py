@@ -1,0 +1,61 @@
+"""CPU separation for ``echo2 bench attack``: the attacker's machine is not the victims'.
+
+The attacks run in the bench process, on the same two cores as the hub and the honest nodes.
+Without separation a flood's *own* work (its Noise handshakes, key generation and signatures:
+about one core for A3's eight flooders, measured with :func:`cpu_seconds`) is taken from the
+honest nodes' rollouts, so the honest rate falls whatever the hub does with the flood: A3 and A11
+measured 0.45-0.64 that way. An attacker with one machine spends its own CPU; what the bench must
+measure is what the flood costs the hub and the honest nodes. So by default the bench process
+(the attacker) runs on the last CPU and the hub and honest nodes on the others, in the baseline
+and the attack window alike, and each row reports the CPU seconds each side spent.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable
+from pathlib import Path
+
+_CLK = os.sysconf("SC_CLK_TCK")
+
+
+def split(spec: str) -> tuple[set[int], set[int]] | None:
+    """(victim cpus, attacker cpus) for ``--attacker-cpus``: ``auto`` (the last CPU for the
+    attacker when there are two or more), ``none``, or a list like ``3`` or ``2,3``."""
+    if spec == "none" or not hasattr(os, "sched_setaffinity"):
+        return None
+    cpus = sorted(os.sched_getaffinity(0))
+    if spec == "auto":
+        if len(cpus) < 2:
+            return None
+        return set(cpus[:-1]), {cpus[-1]}
+    attacker = {int(x) for x in spec.split(",") if x.strip()}
+    victims = set(cpus) - attacker
+    if not attacker <= set(cpus) or not victims:
+        raise ValueError(f"--attacker-cpus {spec}: must name some but not all of the CPUs {cpus}")
+    return victims, attacker
+
+
+def pin(pid: int, cpus: set[int]) -> None:
+    """Every thread of ``pid`` onto ``cpus`` (threads made later inherit their creator's set)."""
+    try:
+        tids = [int(t) for t in os.listdir(f"/proc/{pid}/task")]
+    except OSError:
+        tids = [pid]
+    for tid in tids:
+        try:
+            os.sched_setaffinity(tid, cpus)
+        except OSError:
+            pass  # a thread that ended meanwhile
+
+
+def cpu_seconds(pids: Iterable[int]) -> float:
+    """User + system CPU seconds of these processes so far (0 for one that is gone)."""
+    total = 0
+    for pid in pids:
+        try:
+            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        total += int(fields[11]) + int(fields[12])  # utime, stime (fields 14 and 15 of stat)
+    return total / _CLK
