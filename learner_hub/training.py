@@ -12,13 +12,13 @@ import time
 from collections import Counter
 from collections.abc import Awaitable, Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import trio
 
 from echo2.protocol.errors import Echo2Error
 
-from .config import HubConfig, check_sampling
+from .config import ConfigError, HubConfig, check_sampling
 from .dispatch import ReplayBuffer
 from .intake import TaskBook
 from .learner import Learner
@@ -28,14 +28,19 @@ from .store import HubStore
 from .storeworker import StoreWorker
 from .verify import Verifier, published_weights
 
+if TYPE_CHECKING:
+    from .distributed import ShardedLearner
+
 log = logging.getLogger(__name__)
 
 Item = tuple[str, Group]  # (task id, group) as buffered
 StoreJob = Callable[[HubStore], None]
 
 
-def build_learner(cfg: HubConfig) -> tuple[Learner, Any, str, dict[str, bytes]]:
-    """The policy to train (tiny, or a local model), its tokenizer, config and artifacts."""
+def build_learner(cfg: HubConfig) -> tuple[Learner | ShardedLearner, Any, str, dict[str, bytes]]:
+    """The policy to train (tiny, or a local model), its tokenizer, config and artifacts. The
+    learner is a :class:`Learner`, or with ``learner_procs > 1`` a
+    :class:`~echo2.learner_hub.distributed.ShardedLearner` with the same interface."""
     import torch
 
     from echo2.models import gguf
@@ -51,15 +56,32 @@ def build_learner(cfg: HubConfig) -> tuple[Learner, Any, str, dict[str, bytes]]:
     else:
         model, model_config, artifacts = modelspec.load_local_model(gguf.resolve_model(cfg.model))
     tok = modelspec.load_tokenizer(artifacts)
-    # The KL reference is the initial policy, frozen.
-    ref_model = copy.deepcopy(model).eval().requires_grad_(False) if cfg.kl_coef > 0 else None
-    learner = Learner(
-        model, tok, lr=cfg.lr, clip_eps=cfg.epsilon, kl_coef=cfg.kl_coef, temperature=cfg.temperature, dtype=dtype,
+    kw: dict[str, Any] = dict(
+        lr=cfg.lr, clip_eps=cfg.epsilon, kl_coef=cfg.kl_coef, temperature=cfg.temperature, dtype=dtype,
         publish_dtype=torch.bfloat16 if cfg.publish_dtype == "bfloat16" else torch.float32, seed=cfg.seed,
-        ref_model=ref_model, epsilon_high=cfg.epsilon_high, loss_type=cfg.loss_type, scale_rewards=cfg.scale_rewards,
+        epsilon_high=cfg.epsilon_high, loss_type=cfg.loss_type, scale_rewards=cfg.scale_rewards,
         max_is_ratio=cfg.max_is_ratio, mask_truncated_completions=cfg.mask_truncated_completions,
         num_iterations=cfg.num_iterations, max_completion_length=cfg.max_new_tokens,
     )
+    if cfg.learner_procs > 1:
+        from .distributed import ShardedLearner
+
+        # a LoRA policy (issue 17 item 3) is trained by the one-process learner only, for now
+        if getattr(cfg, "lora", None):
+            raise ConfigError("lora with learner_procs > 1 is not supported yet: set learner_procs = 1 for a LoRA policy")
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+        sharded = ShardedLearner(
+            model, tok, model_config, procs=cfg.learner_procs, addr=cfg.learner_master_addr, port=cfg.learner_master_port,
+            mixed_precision=cfg.mixed_precision, activation_checkpointing=cfg.activation_checkpointing, device=device, **kw,
+        )
+        return sharded, tok, model_config, artifacts
+    if cfg.activation_checkpointing:
+        from .distributed import apply_activation_checkpointing
+
+        apply_activation_checkpointing(model)
+    # The KL reference is the initial policy, frozen.
+    ref_model = copy.deepcopy(model).eval().requires_grad_(False) if cfg.kl_coef > 0 else None
+    learner = Learner(model, tok, ref_model=ref_model, **kw)
     return learner, tok, model_config, artifacts
 
 
@@ -67,7 +89,7 @@ class Trainer:
     """The training room. ``book`` is intake's: a task's entry goes when its last group leaves."""
 
     def __init__(
-        self, cfg: HubConfig, learner: Learner, publisher: PolicyPublisher, sender: Any, store: StoreWorker, book: TaskBook
+        self, cfg: HubConfig, learner: Learner | ShardedLearner, publisher: PolicyPublisher, sender: Any, store: StoreWorker, book: TaskBook
     ) -> None:
         self.cfg = cfg
         self.learner = learner
