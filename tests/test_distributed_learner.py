@@ -167,6 +167,7 @@ def test_activation_checkpointing_keeps_the_one_process_step() -> None:
         assert _rel(w2[k], w1[k]) <= 1e-6, k
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_two_ranks_bf16_checkpointed_with_kl_reference() -> None:
     """bf16 FSDP2 parameters, activation checkpointing, a sharded KL reference and two
