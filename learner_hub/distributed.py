@@ -479,7 +479,13 @@ class ShardedLearner:
         except (EOFError, OSError) as exc:
             raise self._fail(f"learner rank 0 is gone ({type(exc).__name__})") from exc
         if kind == "error":
-            raise self._fail(str(payload))
+            # a peer's death reaches rank 0 as a collective's error: name the dead rank first
+            end = time.monotonic() + 2.0
+            while time.monotonic() < end and all(p.is_alive() for p in self._procs[1:]):
+                time.sleep(0.1)
+            dead = [(i, p.exitcode) for i, p in enumerate(self._procs) if not p.is_alive()]
+            first = f"learner rank {dead[0][0]} died (exit code {dead[0][1]}); " if dead else ""
+            raise self._fail(first + str(payload).strip().splitlines()[0])
         if kind == "refused":
             raise payload
         return payload
