@@ -108,6 +108,7 @@ class HubConfig:
     learner_master_addr: Annotated[str, _doc("rendezvous address of the learner ranks (torch.distributed)")] = "127.0.0.1"
     learner_master_port: Annotated[int, _doc("rendezvous port of the learner ranks (0 = a free port)", ge=0, le=65535)] = 0
     mixed_precision: Annotated[Literal["no", "bf16"], _doc("learner_procs > 1: bf16 = FSDP2 bf16 parameters, fp32 gradient reduction")] = "no"
+    micro_batch_tokens: Annotated[int, _doc("padded tokens per learner forward/backward micro-batch: activation memory against speed", ge=1)] = 16384
     activation_checkpointing: Annotated[bool, _doc("recompute each transformer block's activations in the backward (less memory, more time)")] = False
     # bounded staleness
     staleness: Annotated[int, _doc("S: rollouts made with version v are trained on at steps v..v+S", ge=0)] = 1

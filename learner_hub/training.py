@@ -61,7 +61,7 @@ def build_learner(cfg: HubConfig) -> tuple[Learner | ShardedLearner, Any, str, d
         publish_dtype=torch.bfloat16 if cfg.publish_dtype == "bfloat16" else torch.float32, seed=cfg.seed,
         epsilon_high=cfg.epsilon_high, loss_type=cfg.loss_type, scale_rewards=cfg.scale_rewards,
         max_is_ratio=cfg.max_is_ratio, mask_truncated_completions=cfg.mask_truncated_completions,
-        num_iterations=cfg.num_iterations, max_completion_length=cfg.max_new_tokens,
+        num_iterations=cfg.num_iterations, max_completion_length=cfg.max_new_tokens, micro_batch_tokens=cfg.micro_batch_tokens,
     )
     if cfg.learner_procs > 1:
         from .distributed import ShardedLearner

@@ -194,3 +194,16 @@ def test_two_ranks_bf16_checkpointed_with_kl_reference() -> None:
         assert diff <= 0.1 * update, (diff, update)
     finally:
         sharded.close()
+
+
+def test_config_keys_of_the_sharded_learner(tmp_path: Any) -> None:
+    from echo2.learner_hub.config import ConfigError, HubConfig, load_config, render_config
+
+    cfg = HubConfig(learner_procs=2, mixed_precision="bf16", activation_checkpointing=True, learner_master_port=29555)
+    (tmp_path / "hub.toml").write_text(render_config(cfg))
+    back = load_config(tmp_path / "hub.toml")
+    assert (back.learner_procs, back.mixed_precision, back.activation_checkpointing, back.learner_master_port) == (2, "bf16", True, 29555)
+    with pytest.raises(ConfigError, match="mixed_precision"):
+        HubConfig(mixed_precision="bf16").validate()
+    with pytest.raises(ConfigError, match="learner_procs"):
+        HubConfig(learner_procs=0).validate()
