@@ -360,7 +360,10 @@ def _serve(rank: int, spec: RankSpec, conn: Any) -> None:
                 conn.send(("ok", every))
         elif what == "stop":
             if rank == 0:
-                conn.send(("ok", None))
+                try:
+                    conn.send(("ok", None))
+                except OSError:  # the hub left first
+                    pass
             dist.destroy_process_group()
             return
 
