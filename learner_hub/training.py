@@ -70,6 +70,9 @@ def build_learner(cfg: HubConfig) -> tuple[Learner | ShardedLearner, Any, str, d
         if getattr(cfg, "lora", None):
             raise ConfigError("lora with learner_procs > 1 is not supported yet: set learner_procs = 1 for a LoRA policy")
         device = "cuda" if torch.cuda.is_available() else "cpu"
+        if device == "cuda" and cfg.learner_procs > torch.cuda.device_count():
+            # NCCL refuses two ranks on one GPU
+            raise ConfigError(f"learner_procs = {cfg.learner_procs} needs as many GPUs; this machine has {torch.cuda.device_count()}")
         sharded = ShardedLearner(
             model, tok, model_config, procs=cfg.learner_procs, addr=cfg.learner_master_addr, port=cfg.learner_master_port,
             mixed_precision=cfg.mixed_precision, activation_checkpointing=cfg.activation_checkpointing, device=device, **kw,
