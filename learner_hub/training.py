@@ -67,7 +67,7 @@ def build_learner(cfg: HubConfig) -> tuple[Learner | ShardedLearner, Any, str, d
         from .distributed import ShardedLearner
 
         # a LoRA policy (issue 17 item 3) is trained by the one-process learner only, for now
-        if getattr(cfg, "lora", None):
+        if getattr(getattr(cfg, "lora", None), "enabled", False):  # the LoRA branch's LoraSpec
             raise ConfigError("lora with learner_procs > 1 is not supported yet: set learner_procs = 1 for a LoRA policy")
         device = "cuda" if torch.cuda.is_available() else "cpu"
         if device == "cuda" and cfg.learner_procs > torch.cuda.device_count():
