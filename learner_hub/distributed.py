@@ -47,7 +47,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from .learner import Learner, PassResult, StepPlan, StepStats
+from .learner import Learner, PassResult, StepPlan, StepStats, grad_sq_sum
 from .rows import Group
 
 log = logging.getLogger(__name__)
@@ -171,7 +171,6 @@ class _RankLearner(Learner):
                     m.reshard()
 
     def _clip_grads(self) -> float:
-        from torch.distributed.tensor import DTensor
 
         self.reshard()
         params = [p for p in self.params() if p.grad is not None]
@@ -179,10 +178,7 @@ class _RankLearner(Learner):
         self.grad_bytes = max(self.grad_bytes, local_bytes(grads))
         # the norm over every rank's shards: local sums of squares, all-reduced (every rank joins,
         # with or without gradients of its own)
-        sq = torch.zeros((), dtype=torch.float64, device=self.device)
-        for g in grads:
-            loc = g.to_local() if isinstance(g, DTensor) else g
-            sq += loc.detach().double().pow(2).sum()
+        sq = grad_sq_sum(grads).to(self.device) if grads else torch.zeros((), dtype=torch.float64, device=self.device)
         torch.distributed.all_reduce(sq)
         total = sq.sqrt().float()
         if self.max_grad_norm and self.max_grad_norm > 0:

@@ -37,6 +37,22 @@ from .rows import Group, Sample
 logger = logging.getLogger(__name__)
 
 
+def grad_sq_sum(grads: Sequence[Tensor], chunk: int = 1 << 22) -> Tensor:
+    """Σ g² over ``grads`` (a DTensor's local shard only) in float64, ``chunk`` elements at a time.
+    Why float64: on SmolLM2-135M torch's float32 ``clip_grad_norm_`` was 1.7e-5 off the exact
+    norm, more than the 1e-5 by which the sharded learner (whose shards sum differently) must
+    agree with this one; the chunks bound the float64 copy (an 8 B model's embedding gradient
+    would need 4 GB at once)."""
+    from torch.distributed.tensor import DTensor
+
+    total = torch.zeros((), dtype=torch.float64, device=grads[0].device if grads else None)
+    for g in grads:
+        flat = (g.to_local() if isinstance(g, DTensor) else g).detach().reshape(-1)
+        for part in flat.split(chunk):
+            total += part.double().pow(2).sum()
+    return total
+
+
 class _TokenizerLike(Protocol):
     pad_id: int
     eos_id: int
@@ -432,10 +448,10 @@ class Learner:
 
     def _clip_grads(self) -> float:
         params = [p for p in self.model.parameters() if p.grad is not None]
-        if self.max_grad_norm and self.max_grad_norm > 0:
-            return float(torch.nn.utils.clip_grad_norm_(params, self.max_grad_norm))
-        norms = [p.grad.detach().norm() for p in params if p.grad is not None]
-        return float(torch.linalg.vector_norm(torch.stack(norms))) if norms else 0.0
+        total = grad_sq_sum([p.grad for p in params if p.grad is not None]).sqrt().float()
+        if self.max_grad_norm and self.max_grad_norm > 0 and params:
+            torch.nn.utils.clip_grads_with_norm_(params, self.max_grad_norm, total)
+        return float(total)
 
     # ------------------------------------------------------------------ publishing / checkpoints
 
@@ -466,4 +482,4 @@ class Learner:
         self.version = int(state["version"])
 
 
-__all__ = ["Group", "Learner", "PassResult", "Sample", "StepPlan", "StepStats"]
+__all__ = ["Group", "Learner", "PassResult", "Sample", "StepPlan", "StepStats", "grad_sq_sum"]
