@@ -37,19 +37,19 @@ from .rows import Group, Sample
 logger = logging.getLogger(__name__)
 
 
-def grad_sq_sum(grads: Sequence[Tensor], chunk: int = 1 << 22) -> Tensor:
-    """Σ g² over ``grads`` (a DTensor's local shard only) in float64, ``chunk`` elements at a time.
-    Why float64: on SmolLM2-135M torch's float32 ``clip_grad_norm_`` was 1.7e-5 off the exact
-    norm, more than the 1e-5 by which the sharded learner (whose shards sum differently) must
-    agree with this one; the chunks bound the float64 copy (an 8 B model's embedding gradient
-    would need 4 GB at once)."""
+def grad_sq_sum(grads: Sequence[Tensor], chunk: int = 1 << 24) -> Tensor:
+    """Σ g² over ``grads`` (a DTensor's local shard only), accumulated in float64. Why: on
+    SmolLM2-135M torch's float32 ``clip_grad_norm_`` was 1.7e-5 off the exact norm, more than the
+    1e-5 by which the sharded learner (whose shards sum differently) must agree with this one.
+    ``vector_norm(dtype=float64)`` is exact to 1e-13 and took 0.37 s for 108 M values here
+    (float32: 0.04 s; ``.double().pow(2).sum()``: 2.7 s); ``chunk`` bounds any float64 copy."""
     from torch.distributed.tensor import DTensor
 
     total = torch.zeros((), dtype=torch.float64, device=grads[0].device if grads else None)
     for g in grads:
         flat = (g.to_local() if isinstance(g, DTensor) else g).detach().reshape(-1)
         for part in flat.split(chunk):
-            total += part.double().pow(2).sum()
+            total += torch.linalg.vector_norm(part, dtype=torch.float64).square()
     return total
 
 
