@@ -15,14 +15,14 @@ passes: every rank must join the same collectives. Gradient clipping takes the t
 the DTensor shards. The figures of each rank are gathered on rank 0 and merged into one
 :class:`StepStats`.
 
-Publication and checkpoints gather full state dicts (``torch.distributed.checkpoint.state_dict``
-with ``full_state_dict=True, cpu_offload=True``) on rank 0, which sends them to the hub through
-the Pipe (torch.multiprocessing moves tensors through shared memory, not a pickled copy).
-Checkpoints keep the one-process format (``step-N.pt``: model state dict and a parameter-index
-keyed optimizer state dict), converted on the way in and out, so a checkpoint resumes with any N,
-including the one-process learner. That needs one full copy of the model and optimizer state in
-the hub's memory while it is written; sharded ``torch.distributed.checkpoint`` folders, which
-avoid it, are not implemented yet.
+Publication gathers a full state dict (``torch.distributed.checkpoint.state_dict`` with
+``full_state_dict=True, cpu_offload=True``) on rank 0, which sends it to the hub through the Pipe
+(torch.multiprocessing moves tensors through shared memory, not a pickled copy). The hub's
+checkpoints are sharded ``torch.distributed.checkpoint`` folders, each rank writing its own shards
+(shardckpt.py: they resume with any N, one process included). :meth:`ShardedLearner.checkpoint_state`
+and :meth:`ShardedLearner.load_checkpoint_state` also speak the one-process format (``step-N.pt``:
+a model state dict and a parameter-index keyed optimizer state dict, converted on the way), which
+is how a one-process run resumes into ranks.
 
 Every wait of the hub on the ranks is bounded by a poll and a liveness check: a rank that dies
 or fails makes every call raise :class:`RankError` (the hub's training stops with that error)
@@ -42,11 +42,13 @@ import time
 import traceback
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
 from torch import Tensor
 
+from . import shardckpt
 from .learner import Learner, PassResult, StepPlan, StepStats, grad_sq_sum
 from .rows import Group
 
@@ -312,7 +314,7 @@ def _serve(rank: int, spec: RankSpec, conn: Any) -> None:
         # the command's name (and a loaded version) to every rank; payloads travel by collectives
         box: list[Any] = [None, None]
         if rank == 0:
-            box = [cmd[0], cmd[1]["version"] if cmd[0] == "load" else None]
+            box = [cmd[0], cmd[1]["version"] if cmd[0] == "load" else cmd[1] if cmd[0] in ("save_dcp", "load_dcp") else None]
         dist.broadcast_object_list(box, src=0)
         what = box[0]
         if what == "step":
@@ -342,6 +344,15 @@ def _serve(rank: int, spec: RankSpec, conn: Any) -> None:
             set_model_state_dict(learner.model, st["model"], options=put)
             set_optimizer_state_dict(learner.model, learner.optimizer, st["optimizer"], options=put)
             learner.version = int(box[1])
+            if rank == 0:
+                conn.send(("ok", None))
+        elif what in ("save_dcp", "load_dcp"):
+            folder, version = box[1]
+            if what == "save_dcp":
+                shardckpt.save(learner.model, learner.optimizer, Path(folder))
+            else:
+                shardckpt.load(learner.model, learner.optimizer, Path(folder))
+                learner.version = int(version)
             if rank == 0:
                 conn.send(("ok", None))
         elif what == "memory":
@@ -533,6 +544,14 @@ class ShardedLearner:
             osd = optimizer_to_fqn(osd, self._names)
         self._call("load", {"version": int(state["version"]), "model": state["model"], "optimizer": osd})
         self.version = int(state["version"])
+
+    def save_sharded(self, folder: Path) -> None:
+        """Each rank writes its shards of model and optimizer into ``folder`` (shardckpt.py)."""
+        self._call("save_dcp", (str(folder), self.version))
+
+    def load_sharded(self, folder: Path, version: int) -> None:
+        self._call("load_dcp", (str(folder), int(version)))
+        self.version = int(version)
 
     def memory(self) -> list[dict[str, int]]:
         """Per rank, bytes of its parameter shards, its largest gradient (at the last clip) and

@@ -170,7 +170,12 @@ class Trainer:
         if ck is None:
             return None, 0
         step, state = ck
-        self.learner.load_checkpoint_state(state)
+        if "dcp" in state:  # written by sharded ranks: any rank count (or one process) reads it
+            from . import shardckpt
+
+            shardckpt.load_into(self.learner, self.store.checkpoint_dir / str(state["dcp"]), int(state["version"]))
+        else:
+            self.learner.load_checkpoint_state(state)
         self.prompt_seq = int(state.get("prompt_seq", 0))
         self.history[:] = list(state.get("history", []))
         self.busy_s = float(state.get("busy_s", 0.0))
@@ -193,7 +198,16 @@ class Trainer:
 
         def write() -> tuple[Path, int]:
             # the learner is not stepped while this runs: only the learner loop steps it, and it awaits this
-            state = self.learner.checkpoint_state() | extra
+            save_sharded = getattr(self.learner, "save_sharded", None)
+            if save_sharded is not None:
+                # each rank writes its own shards (no full copy anywhere); step-N.pt, written after
+                # them, names the folder, so a crash mid-write leaves the previous checkpoint
+                folder = self.store.checkpoint_dir / f"step-{step}.dcp"
+                self.store.checkpoint_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+                save_sharded(folder)
+                state = {"version": step, "dcp": folder.name} | extra
+            else:
+                state = self.learner.checkpoint_state() | extra
             return HubStore.write_checkpoint_file(self.store.checkpoint_dir, step, state)
 
         final, size = await trio.to_thread.run_sync(write)

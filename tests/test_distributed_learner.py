@@ -207,3 +207,46 @@ def test_config_keys_of_the_sharded_learner(tmp_path: Any) -> None:
         HubConfig(mixed_precision="bf16").validate()
     with pytest.raises(ConfigError, match="learner_procs"):
         HubConfig(learner_procs=0).validate()
+
+
+@pytest.mark.timeout(400)
+def test_sharded_checkpoint_folder_resumes_with_any_rank_count(tmp_path: Any) -> None:
+    """2 ranks write step-1.dcp (each its own shards); the one-process learner and 2 fresh ranks
+    both read it back to exactly the state the ranks had."""
+    from echo2.learner_hub import shardckpt
+
+    model, mc, tok = _model()
+    sharded = ShardedLearner(copy.deepcopy(model), tok, mc, procs=2, **KW)
+    try:
+        sharded.step(_groups(model, tok))
+        sharded.save_sharded(tmp_path / "step-1.dcp")
+        full = sharded.checkpoint_state()
+    finally:
+        sharded.close()
+    assert len(list((tmp_path / "step-1.dcp").glob("*.distcp"))) == 2  # one file per rank
+    one = Learner(copy.deepcopy(model), tok, **KW)
+    shardckpt.load_into(one, tmp_path / "step-1.dcp", 1)
+    _same_state(one.checkpoint_state(), full)
+    again = ShardedLearner(copy.deepcopy(model), tok, mc, procs=2, **KW)
+    try:
+        shardckpt.load_into(again, tmp_path / "step-1.dcp", 1)
+        _same_state(again.checkpoint_state(), full)
+    finally:
+        again.close()
+
+
+def test_pruning_takes_sharded_folders_along(tmp_path: Any) -> None:
+    from echo2.learner_hub.store import HubStore
+
+    s = HubStore(tmp_path / "hub.sqlite", checkpoint_dir=tmp_path / "checkpoints", keep_checkpoints=2)
+    try:
+        ck = tmp_path / "checkpoints"
+        for step in (1, 2, 3):
+            (ck / f"step-{step}.dcp").mkdir(parents=True)
+            (ck / f"step-{step}.dcp" / "__0_0.distcp").write_bytes(b"x")
+            s.save_checkpoint(step, {"version": step, "dcp": f"step-{step}.dcp"})
+        (ck / "step-4.dcp").mkdir()  # a newer write under way: its step-4.pt is not there yet
+        s.save_checkpoint(3, {"version": 3, "dcp": "step-3.dcp"})
+        assert sorted(p.name for p in ck.iterdir()) == ["step-2.dcp", "step-2.pt", "step-3.dcp", "step-3.pt", "step-4.dcp"]
+    finally:
+        s.close()

@@ -31,8 +31,9 @@ def test_swarm_with_two_learner_ranks(tmp_path: Path) -> None:
     assert st["step"] == steps
     hub_log = "\n".join(p.read_text() for p in tmp_path.glob("hub*/*.log"))
     assert "sharded learner: 2 ranks" in hub_log, hub_log[-3000:]
-    # the ranks' full state dicts became the hub's checkpoints (one-process format)
+    # each rank wrote its shards of the checkpoints (torch.distributed.checkpoint folders)
     assert sorted(p.name for p in tmp_path.glob("hub*/checkpoints/step-*.pt")) == ["step-4.pt", "step-8.pt"]
+    assert len(list(tmp_path.glob("hub*/checkpoints/step-8.dcp/*.distcp"))) == 2
     assert st["nodes"] and st["nodes"][0]["tasks_done"] > 0
 
 
@@ -75,3 +76,23 @@ def test_hub_stops_when_a_learner_rank_dies(tmp_path: Path) -> None:
     assert "learner rank" in hub_log and "died" in hub_log, hub_log[-3000:]
     assert not any(Path(f"/proc/{pid}").exists() and b"spawn_main" in Path(f"/proc/{pid}/cmdline").read_bytes()
                    for pid in ranks), "a learner rank outlived the hub"
+
+
+@pytest.mark.slow
+@pytest.mark.e2e
+@pytest.mark.timeout(300)
+def test_two_rank_run_resumes_in_one_process(tmp_path: Path) -> None:
+    """A hub with 2 learner ranks checkpoints (sharded folders); restarted with learner_procs = 1
+    it resumes from them and finishes the run."""
+    kw: dict[str, object] = {"task": "copy", "staleness": 1, "seed": 0, "exit_when_done": True,
+                             "checkpoint_every": 2, "prompts_per_step": 8, "group_size": 8}
+    with LocalSwarm(tmp_path, HubConfig(steps=4, learner_procs=2, **kw), n_nodes=1) as swarm:  # type: ignore[arg-type]
+        swarm.start()
+        st = swarm.wait(150)
+    assert st is not None and st.get("final") and st["step"] == 4
+    with LocalSwarm(tmp_path, HubConfig(steps=6, learner_procs=1, **kw), n_nodes=1) as swarm:  # type: ignore[arg-type]
+        swarm.start()
+        st = swarm.wait(150)
+    hub_log = (tmp_path / "hub" / "hub.log").read_text()
+    assert st is not None and st.get("final") and st["step"] == 6, hub_log[-3000:]
+    assert "resumed from checkpoint at step 4" in hub_log
