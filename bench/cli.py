@@ -16,6 +16,7 @@ BENCHES: dict[str, tuple[str, str]] = {
     "attack": ("echo2.bench.attack", "issue 15's attacks A1-A12 against a live swarm: honest rate, memory, survival, effect blocked?"),
     "activation": ("echo2.bench.activation", "cost-aware activation: exact vs echo2 vs all vs cheapest-first"),
     "learn": ("echo2.bench.learn", "a real model through a live swarm on a recipe: held-out accuracy before and after, tokens/s"),
+    "learner": ("echo2.bench.learner", "the GRPO learner as 1 process and N FSDP2 ranks: step time, tokens/s, memory per rank, equality, publication"),
     "crash": ("echo2.bench.crash", "SIGKILL the hub at random moments: acknowledged results and ledger entries vs found after restart"),
 }
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 import re
+import shutil
 import sqlite3
 import time
 from contextlib import AbstractContextManager
@@ -71,6 +72,14 @@ class CheckpointFiles:
         old = files[: -self.keep_checkpoints]
         for _step, p in old:
             p.unlink(missing_ok=True)
+        # sharded checkpoints' folders (step-N.dcp): those of pruned steps, and those a crash left
+        # without their step-N.pt, older than the newest checkpoint (a newer one may be mid-write)
+        kept = {s for s, _ in files[-self.keep_checkpoints:]} if files else set()
+        newest = files[-1][0] if files else -1
+        for d in self.checkpoint_dir.glob("step-*.dcp"):
+            m = re.match(r"^step-(\d+)\.dcp$", d.name)
+            if m and d.is_dir() and int(m.group(1)) not in kept and int(m.group(1)) < newest:
+                shutil.rmtree(d, ignore_errors=True)
         # leftovers of a crash mid-write (fsutil's temporary names, and those of older echo2)
         for pattern in (f"{TMP_PREFIX}step-*.pt.*", ".step-*.pt.tmp"):
             for p in self.checkpoint_dir.glob(pattern):

@@ -22,6 +22,7 @@ def register(parser: argparse.ArgumentParser) -> None:
     run.add_argument("--config", type=Path, required=True, help="hub.toml written by `echo2 hub init`")
     run.add_argument("--steps", type=int, default=None, help="override the config's step count")
     run.add_argument("--exit-when-done", action="store_true", help="stop after the last step")
+    run.add_argument("--learner-procs", type=int, default=None, metavar="N", help="override learner_procs: N FSDP2 learner ranks")
     run.set_defaults(func=_run)
 
     def dir_arg(p: argparse.ArgumentParser) -> None:
@@ -85,6 +86,8 @@ def _run(args: argparse.Namespace) -> int:
             cfg.steps = args.steps
         if args.exit_when_done:
             cfg.exit_when_done = True
+        if args.learner_procs is not None:
+            cfg.learner_procs = args.learner_procs
         cfg.validate(f"{args.config} with --steps")
     except ConfigError as exc:  # the operator's file or flags: say what is wrong, not a traceback
         print(f"echo2 hub run: {exc.message}", file=sys.stderr)

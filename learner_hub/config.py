@@ -103,6 +103,13 @@ class HubConfig:
     num_iterations: Annotated[int, _doc("optimisation passes over each batch (TRL's mu)", ge=1)] = 1
     kl_coef: Annotated[float, _doc("KL penalty towards the initial policy", ge=0)] = 0.0
     seed: Annotated[int, _doc("seed of the model init and the prompt stream")] = 0
+    # the learner on several processes (issue 17): FSDP2 ranks, gloo on CPU, NCCL on GPUs
+    learner_procs: Annotated[int, _doc("learner ranks: 1 = one process; N > 1 = N FSDP2 ranks on this machine", ge=1, le=1024)] = 1
+    learner_master_addr: Annotated[str, _doc("rendezvous address of the learner ranks (torch.distributed)")] = "127.0.0.1"
+    learner_master_port: Annotated[int, _doc("rendezvous port of the learner ranks (0 = a free port)", ge=0, le=65535)] = 0
+    mixed_precision: Annotated[Literal["no", "bf16"], _doc("learner_procs > 1: bf16 = FSDP2 bf16 parameters, fp32 gradient reduction")] = "no"
+    micro_batch_tokens: Annotated[int, _doc("padded tokens per learner forward/backward micro-batch: activation memory against speed", ge=1)] = 16384
+    activation_checkpointing: Annotated[bool, _doc("recompute each transformer block's activations in the backward (less memory, more time)")] = False
     # bounded staleness
     staleness: Annotated[int, _doc("S: rollouts made with version v are trained on at steps v..v+S", ge=0)] = 1
     task_deadline_s: Annotated[float, _doc("a task not answered by then is reassigned", gt=0)] = 30.0
@@ -115,7 +122,6 @@ class HubConfig:
     activation_margin: Annotated[float, _doc("R* = margin * B / T_train", gt=0)] = 1.25
     full_every: Annotated[int, _doc("a full snapshot every K versions bounds delta chains", ge=1)] = 10
     exit_when_done: Annotated[bool, _doc("stop the hub after `steps`")] = False
-    micro_batch_tokens: Annotated[int, _doc("padded tokens per learner micro-batch (gradients accumulate over them; bounds activation memory)", ge=64)] = 16384
     memory_check: Annotated[bool, _doc("refuse to start when a learner rank cannot hold its share of the model (estimate printed at start-up)")] = True
     checkpoint_every: Annotated[int, _doc("checkpoint policy, optimizer and step every K steps (restart resumes)", ge=0)] = 10
     logprob_tolerance: Annotated[float, _doc("node log-probs must match the learner's recompute within this", ge=0)] = 1e-3
@@ -212,6 +218,9 @@ def check_sampling(cfg: HubConfig, source: str = "HubConfig") -> None:
     """Refuse truncated sampling: nodes report log_softmax(logits / T) of the full distribution,
     and the learner's ratio is of that distribution, so a top-p/top-k sampler's tokens would be
     trained with the wrong ratio (issue 16 item 6: refusal rather than processed log-probs)."""
+    if cfg.mixed_precision != "no" and cfg.learner_procs == 1:
+        raise ConfigError(f"{source}: mixed_precision = {cfg.mixed_precision!r} applies to sharded ranks (learner_procs > 1); "
+                          'the one-process learner computes in `dtype` (set dtype = "bfloat16")')
     if cfg.top_p < 1.0 or cfg.top_k > 0:
         raise ConfigError(f"{source}: top_p = {cfg.top_p:g}, top_k = {cfg.top_k}: echo2 trains on log-probs of the "
                           "untruncated distribution, so sampling must be too: set top_p = 1.0 and top_k = 0")

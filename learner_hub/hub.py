@@ -376,6 +376,9 @@ def run_hub(cfg: HubConfig) -> int:
         return 0
     finally:
         hub.store.close()  # runs the writes still queued
+        close = getattr(hub.learner, "close", None)  # a sharded learner's ranks (issue 17)
+        if close is not None:
+            close()
 
 
 __all__ = ["NODE_SILENCE_S", "Hub", "NodeInfo", "run_hub"]

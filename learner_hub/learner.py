@@ -37,6 +37,22 @@ from .rows import Group, Sample
 logger = logging.getLogger(__name__)
 
 
+def grad_sq_sum(grads: Sequence[Tensor], chunk: int = 1 << 24) -> Tensor:
+    """Σ g² over ``grads`` (a DTensor's local shard only), accumulated in float64. Why: on
+    SmolLM2-135M torch's float32 ``clip_grad_norm_`` was 1.7e-5 off the exact norm, more than the
+    1e-5 by which the sharded learner (whose shards sum differently) must agree with this one.
+    ``vector_norm(dtype=float64)`` is exact to 1e-13 and took 0.37 s for 108 M values here
+    (float32: 0.04 s; ``.double().pow(2).sum()``: 2.7 s); ``chunk`` bounds any float64 copy."""
+    from torch.distributed.tensor import DTensor
+
+    total = torch.zeros((), dtype=torch.float64, device=grads[0].device if grads else None)
+    for g in grads:
+        flat = (g.to_local() if isinstance(g, DTensor) else g).detach().reshape(-1)
+        for part in flat.split(chunk):
+            total += torch.linalg.vector_norm(part, dtype=torch.float64).square()
+    return total
+
+
 class _TokenizerLike(Protocol):
     pad_id: int
     eos_id: int
@@ -74,6 +90,38 @@ class StepStats:
 
     def as_dict(self) -> dict[str, Any]:
         return dict(self.__dict__)
+
+
+@dataclass
+class StepPlan:
+    """One step's rows and what the loss needs of them, computed before any model work."""
+
+    v_before: int
+    groups: int
+    rows: list[tuple[list[int], list[int]]] = field(default_factory=list)
+    behav: list[list[float]] = field(default_factory=list)
+    advs: list[float] = field(default_factory=list)
+    active: list[bool] = field(default_factory=list)
+    sound: list[bool] = field(default_factory=list)
+    rewards: list[float] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)
+    nodes: list[str] = field(default_factory=list)
+    zero_groups: int = 0
+    masked_trunc: int = 0
+    bad_rows: int = 0
+    norm: Normaliser = field(default_factory=Normaliser)
+
+
+@dataclass
+class PassResult:
+    """What the passes over some micro-batches add to the step's figures (additive over ranks)."""
+
+    acc: dict[str, float] = field(
+        default_factory=lambda: {"loss": 0.0, "pg": 0.0, "ratio": 0.0, "clip": 0.0, "klr": 0.0, "klb": 0.0, "isw": 0.0}
+    )
+    ratio_max: float = 0.0
+    grad_norm: float = 0.0
+    mismatch: list[tuple[int, float]] = field(default_factory=list)  # (row index, max |Δlogp|)
 
 
 class Learner:
@@ -227,72 +275,91 @@ class Learner:
         log-probs) enter no normaliser; a step where none can moves no weight (AdamW's momentum
         and decay included) but still counts as a version."""
         t0 = time.perf_counter()
-        v_before = self.version
-        rows: list[tuple[list[int], list[int]]] = []
-        behav: list[list[float]] = []
-        advs: list[float] = []
-        active: list[bool] = []
-        sound_rows: list[bool] = []
-        rewards: list[float] = []
-        versions: list[int] = []
-        nodes: list[str] = []
-        zero_groups = masked_trunc = bad_rows = 0
+        plan = self.plan(groups)
+        part = self.run_passes(plan, self.plan_chunks(plan))
+        self.version += 1
+        return self.step_stats(plan, part, time.perf_counter() - t0)
+
+    def plan(self, groups: Sequence[Group]) -> StepPlan:
+        """The step's rows, advantages and global normaliser (no model work). The sharded learner
+        (distributed.py) computes it once on rank 0 and hands each rank its slice of it."""
+        p = StepPlan(v_before=self.version, groups=len(groups))
         kept = [g for g in groups if g.samples]
         group_advs = batch_advantages(
             [torch.tensor([float(s.reward) for s in g.samples], dtype=torch.float64) for g in kept], self.scale_rewards
         )
         for g, a in zip(kept, group_advs, strict=True):
             if bool((a == 0).all()):
-                zero_groups += 1
+                p.zero_groups += 1
             for s, adv in zip(g.samples, a.tolist(), strict=True):
                 if len(s.token_ids) != len(s.logprobs):
                     raise ValueError("sample has token_ids and logprobs of different lengths")
                 sound = logprob_problem(s.logprobs) is None
                 if not sound:
-                    bad_rows += 1
+                    p.bad_rows += 1
                     logger.warning("learner: row from %s has unsound behaviour log-probs; left out", s.node_id)
                 truncated = self.mask_truncated_completions and s.finish_reason == "length"
-                masked_trunc += int(truncated)
-                sound_rows.append(sound)
-                rows.append((list(g.prompt_ids), list(s.token_ids)))
+                p.masked_trunc += int(truncated)
+                p.sound.append(sound)
+                p.rows.append((list(g.prompt_ids), list(s.token_ids)))
                 # an unsound row's log-probs never reach a tensor: NaN * 0 is still NaN
-                behav.append([float(x) for x in s.logprobs] if sound else [0.0] * len(s.logprobs))
-                advs.append(float(adv))
-                active.append(sound and not truncated and adv != 0.0 and bool(s.token_ids))
-                rewards.append(float(s.reward))
-                versions.append(int(s.version))
-                nodes.append(s.node_id)
-        if not rows:
+                p.behav.append([float(x) for x in s.logprobs] if sound else [0.0] * len(s.logprobs))
+                p.advs.append(float(adv))
+                p.active.append(sound and not truncated and adv != 0.0 and bool(s.token_ids))
+                p.rewards.append(float(s.reward))
+                p.versions.append(int(s.version))
+                p.nodes.append(s.node_id)
+        if not p.rows:
             raise ValueError("step() needs at least one sample")
-        total_tokens = sum(len(c) for _, c in rows)
-        norm = Normaliser(
-            self.loss_type, sum(active), sum(len(c) for (_, c), on in zip(rows, active, strict=True) if on),
+        p.norm = Normaliser(
+            self.loss_type, sum(p.active), sum(len(c) for (_, c), on in zip(p.rows, p.active, strict=True) if on),
             self.max_completion_length,
         )
-        # Rows that cannot teach (a group whose rewards are all equal, masked, unsound) add nothing to
-        # the gradient, so they go in micro-batches of their own that run forward only, without
-        # autograd (their log-probs still feed the mismatch figures): on SmolLM2-135M a full-model
-        # backward costs 30-120 s a step here, and most groups of a hard task have zero advantage.
-        on_idx = [i for i, a in enumerate(active) if a]
-        off_idx = [i for i, a in enumerate(active) if not a]
-        chunks = [[on_idx[j] for j in c] for c in self._micro_batches([rows[i] for i in on_idx])]
-        chunks += [[off_idx[j] for j in c] for c in self._micro_batches([rows[i] for i in off_idx])]
+        return p
 
-        acc: dict[str, float] = {"loss": 0.0, "pg": 0.0, "ratio": 0.0, "clip": 0.0, "klr": 0.0, "klb": 0.0, "isw": 0.0}
-        ratio_max = 0.0
-        grad_norm = 0.0
-        mismatch: list[tuple[int, float]] = []  # (row index, max abs diff)
-        old: list[Tensor | None] = [None] * len(chunks)  # π_old: the first pass's log-probs, detached
-        ref: list[Tensor | None] = [None] * len(chunks)  # the frozen reference's, computed once
+    def plan_chunks(self, plan: StepPlan) -> tuple[list[list[int]], list[list[int]]]:
+        """(teaching micro-batches, forward-only micro-batches) as row indices of ``plan``.
+
+        Rows that cannot teach (a group whose rewards are all equal, masked, unsound) add nothing
+        to the gradient, so they go in micro-batches of their own that run forward only, without
+        autograd (their log-probs still feed the mismatch figures): on SmolLM2-135M a full-model
+        backward costs 30-120 s a step here, and most groups of a hard task have zero advantage.
+        Rows with an empty completion add nothing at all and enter no micro-batch (every rank of
+        a sharded learner must run the same number of forwards, so none may be skipped later)."""
+        rows = plan.rows
+        on_idx = [i for i, a in enumerate(plan.active) if a]
+        off_idx = [i for i, a in enumerate(plan.active) if not a and rows[i][1]]
+        on = [[on_idx[j] for j in c] for c in self._micro_batches([rows[i] for i in on_idx])]
+        off = [[off_idx[j] for j in c] for c in self._micro_batches([rows[i] for i in off_idx])]
+        return on, off
+
+    def run_passes(self, plan: StepPlan, chunks: tuple[list[list[int]], list[list[int]]]) -> PassResult:
+        """The ``num_iterations`` optimiser passes over ``chunks`` (teaching, forward-only): the one
+        place the GRPO loss meets the model. An empty chunk is a placeholder that runs a forward
+        (and, when teaching, a backward) of one padding row with zero weight: a rank of the
+        sharded learner with fewer micro-batches than another runs those so that every rank
+        joins the same FSDP collectives."""
+        rows, behav, active, norm = plan.rows, plan.behav, plan.active, plan.norm
+        work = [(c, True) for c in chunks[0]] + [(c, False) for c in chunks[1]]
+        res = PassResult()
+        old: list[Tensor | None] = [None] * len(work)  # π_old: the first pass's log-probs, detached
+        ref: list[Tensor | None] = [None] * len(work)  # the frozen reference's, computed once
+        dummy = [([self.pad_id], [self.pad_id])]
         for it in range(self.num_iterations if norm.rows else 1):
             self.optimizer.zero_grad(set_to_none=True)
-            for ci, chunk in enumerate(chunks):
-                mb_rows = [rows[i] for i in chunk]
-                if sum(len(c) for _, c in mb_rows) == 0:
-                    continue
-                teaches = any(active[i] for i in chunk)
+            for ci, (chunk, teaches) in enumerate(work):
                 if not teaches and it > 0:
                     continue
+                if not chunk:
+                    with torch.enable_grad() if teaches else torch.no_grad():
+                        logp_pad, _ = self._batch_logprobs(self.model, dummy)
+                    if teaches:
+                        if it == 0 and self.ref_model is not None:
+                            with torch.no_grad():
+                                self._batch_logprobs(self.ref_model, dummy)
+                        (logp_pad * 0.0).sum().backward()
+                    continue
+                mb_rows = [rows[i] for i in chunk]
                 with torch.enable_grad() if teaches else torch.no_grad():
                     logp_new, mask = self._batch_logprobs(self.model, mb_rows)
                 if it == 0:
@@ -305,11 +372,10 @@ class Learner:
                 if it == 0 and self.ref_model is not None and teaches:
                     with torch.no_grad():
                         ref[ci], _ = self._batch_logprobs(self.ref_model, mb_rows)
-                logp_ref = ref[ci]
-                adv_t = torch.tensor([advs[i] for i in chunk], dtype=torch.float32, device=self.device)
+                adv_t = torch.tensor([plan.advs[i] for i in chunk], dtype=torch.float32, device=self.device)
                 loss, st = grpo_loss(
                     logp_new, lb, adv_t, mask * on.unsqueeze(-1), clip_eps=self.clip_eps, kl_coef=self.kl_coef,
-                    logp_ref=logp_ref, use_importance_ratio=self.use_importance_ratio, epsilon_high=self.epsilon_high,
+                    logp_ref=ref[ci], use_importance_ratio=self.use_importance_ratio, epsilon_high=self.epsilon_high,
                     logp_old=old[ci], max_is_ratio=self.max_is_ratio, norm=norm,
                 )
                 # the normaliser is the whole step's: micro-batch losses add up to the batch loss
@@ -318,6 +384,7 @@ class Learner:
                 if it > 0:
                     continue
                 w = st.tokens / max(norm.tokens, 1)  # token share, for the token-mean statistics
+                acc = res.acc
                 acc["loss"] += float(loss.detach())
                 acc["pg"] += st.pg_loss
                 acc["ratio"] += st.ratio_mean * w
@@ -325,62 +392,66 @@ class Learner:
                 acc["klr"] += st.kl_ref * w
                 acc["klb"] += st.kl_behaviour * w
                 acc["isw"] += st.is_weight_mean * w
-                ratio_max = max(ratio_max, st.ratio_max if st.tokens else 0.0)
+                res.ratio_max = max(res.ratio_max, st.ratio_max if st.tokens else 0.0)
                 with torch.no_grad():
                     diff = ((logp_new.detach() - lb).abs() * mask).max(dim=1).values
                     for j, i in enumerate(chunk):
-                        if versions[i] == v_before and rows[i][1] and sound_rows[i]:
-                            mismatch.append((i, float(diff[j])))
+                        if plan.versions[i] == plan.v_before and rows[i][1] and plan.sound[i]:
+                            res.mismatch.append((i, float(diff[j])))
             gn = self._clip_grads()
-            grad_norm = gn if it == 0 else grad_norm
+            res.grad_norm = gn if it == 0 else res.grad_norm
             if not norm.rows:
                 pass  # nothing could teach: a zero gradient would still move AdamW's state
             elif math.isfinite(gn):
                 self.optimizer.step()
             else:
-                logger.warning("learner: non-finite grad norm at version %d pass %d; pass skipped", v_before, it)
+                logger.warning("learner: non-finite grad norm at version %d pass %d; pass skipped", plan.v_before, it)
         self.optimizer.zero_grad(set_to_none=True)
-        self.version += 1
+        return res
 
+    def step_stats(self, plan: StepPlan, part: PassResult, seconds: float) -> StepStats:
+        """The step's figures from its plan and its (merged) pass results; ``self.version`` is the
+        version after the step."""
+        acc, mismatch, norm = part.acc, part.mismatch, plan.norm
         by_node: dict[str, float] = {}
         for i, d in mismatch:
-            by_node[nodes[i]] = max(by_node.get(nodes[i], 0.0), d)
-        rt = torch.tensor(rewards, dtype=torch.float64)
-        stats = StepStats(
+            by_node[plan.nodes[i]] = max(by_node.get(plan.nodes[i], 0.0), d)
+        rt = torch.tensor(plan.rewards, dtype=torch.float64)
+        versions = plan.versions
+        return StepStats(
             version=self.version,
             loss=acc["loss"],
             pg_loss=acc["pg"],
             reward_mean=float(rt.mean()),
             reward_std=float(rt.std(unbiased=False)),
             ratio_mean=acc["ratio"] if norm.tokens else 1.0,
-            ratio_max=ratio_max,
+            ratio_max=part.ratio_max,
             clip_frac=acc["clip"],
             kl_ref=acc["klr"],
             kl_behaviour=acc["klb"],
-            grad_norm=grad_norm,
-            tokens=total_tokens,
-            sequences=len(rows),
-            groups=len(groups),
-            zero_adv_groups=zero_groups,
-            staleness_mean=float(sum(v_before - v for v in versions) / len(versions)),
+            grad_norm=part.grad_norm,
+            tokens=sum(len(c) for _, c in plan.rows),
+            sequences=len(plan.rows),
+            groups=plan.groups,
+            zero_adv_groups=plan.zero_groups,
+            staleness_mean=float(sum(plan.v_before - v for v in versions) / len(versions)),
             mismatch_rows=len(mismatch),
             mismatch_mean=float(sum(d for _, d in mismatch) / len(mismatch)) if mismatch else 0.0,
             mismatch_max=max((d for _, d in mismatch), default=0.0),
             active_rows=norm.rows,
-            masked_truncated=masked_trunc,
-            bad_rows=bad_rows,
+            masked_truncated=plan.masked_trunc,
+            bad_rows=plan.bad_rows,
             is_weight_mean=acc["isw"] if norm.tokens else 1.0,
             mismatch_by_node=by_node,
-            seconds=time.perf_counter() - t0,
+            seconds=seconds,
         )
-        return stats
 
     def _clip_grads(self) -> float:
         params = [p for p in self.model.parameters() if p.grad is not None]
-        if self.max_grad_norm and self.max_grad_norm > 0:
-            return float(torch.nn.utils.clip_grad_norm_(params, self.max_grad_norm))
-        norms = [p.grad.detach().norm() for p in params if p.grad is not None]
-        return float(torch.linalg.vector_norm(torch.stack(norms))) if norms else 0.0
+        total = grad_sq_sum([p.grad for p in params if p.grad is not None]).sqrt().float()
+        if self.max_grad_norm and self.max_grad_norm > 0 and params:
+            torch.nn.utils.clip_grads_with_norm_(params, self.max_grad_norm, total)
+        return float(total)
 
     # ------------------------------------------------------------------ publishing / checkpoints
 
@@ -411,4 +482,4 @@ class Learner:
         self.version = int(state["version"])
 
 
-__all__ = ["Group", "Learner", "Sample", "StepStats"]
+__all__ = ["Group", "Learner", "PassResult", "Sample", "StepPlan", "StepStats", "grad_sq_sum"]

@@ -12,13 +12,13 @@ import time
 from collections import Counter
 from collections.abc import Awaitable, Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import trio
 
 from echo2.protocol.errors import Echo2Error
 
-from .config import HubConfig, check_sampling
+from .config import ConfigError, HubConfig, check_sampling
 from .dispatch import ReplayBuffer
 from .intake import TaskBook
 from .learner import Learner
@@ -28,14 +28,19 @@ from .store import HubStore
 from .storeworker import StoreWorker
 from .verify import Verifier, published_weights
 
+if TYPE_CHECKING:
+    from .distributed import ShardedLearner
+
 log = logging.getLogger(__name__)
 
 Item = tuple[str, Group]  # (task id, group) as buffered
 StoreJob = Callable[[HubStore], None]
 
 
-def build_learner(cfg: HubConfig) -> tuple[Learner, Any, str, dict[str, bytes]]:
-    """The policy to train (tiny, or a local model), its tokenizer, config and artifacts."""
+def build_learner(cfg: HubConfig) -> tuple[Learner | ShardedLearner, Any, str, dict[str, bytes]]:
+    """The policy to train (tiny, or a local model), its tokenizer, config and artifacts. The
+    learner is a :class:`Learner`, or with ``learner_procs > 1`` a
+    :class:`~echo2.learner_hub.distributed.ShardedLearner` with the same interface."""
     import torch
 
     from echo2.models import gguf
@@ -51,16 +56,35 @@ def build_learner(cfg: HubConfig) -> tuple[Learner, Any, str, dict[str, bytes]]:
     else:
         model, model_config, artifacts = modelspec.load_local_model(gguf.resolve_model(cfg.model))
     tok = modelspec.load_tokenizer(artifacts)
+    kw: dict[str, Any] = dict(
+        lr=cfg.lr, clip_eps=cfg.epsilon, kl_coef=cfg.kl_coef, temperature=cfg.temperature, dtype=dtype,
+        publish_dtype=torch.bfloat16 if cfg.publish_dtype == "bfloat16" else torch.float32, seed=cfg.seed,
+        epsilon_high=cfg.epsilon_high, loss_type=cfg.loss_type, scale_rewards=cfg.scale_rewards,
+        max_is_ratio=cfg.max_is_ratio, mask_truncated_completions=cfg.mask_truncated_completions,
+        num_iterations=cfg.num_iterations, max_completion_length=cfg.max_new_tokens, micro_batch_tokens=cfg.micro_batch_tokens,
+    )
+    if cfg.learner_procs > 1:
+        from .distributed import ShardedLearner
+
+        # a LoRA policy (issue 17 item 3) is trained by the one-process learner only, for now
+        if getattr(getattr(cfg, "lora", None), "enabled", False):  # the LoRA branch's LoraSpec
+            raise ConfigError("lora with learner_procs > 1 is not supported yet: set learner_procs = 1 for a LoRA policy")
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+        if device == "cuda" and cfg.learner_procs > torch.cuda.device_count():
+            # NCCL refuses two ranks on one GPU
+            raise ConfigError(f"learner_procs = {cfg.learner_procs} needs as many GPUs; this machine has {torch.cuda.device_count()}")
+        sharded = ShardedLearner(
+            model, tok, model_config, procs=cfg.learner_procs, addr=cfg.learner_master_addr, port=cfg.learner_master_port,
+            mixed_precision=cfg.mixed_precision, activation_checkpointing=cfg.activation_checkpointing, device=device, **kw,
+        )
+        return sharded, tok, model_config, artifacts
+    if cfg.activation_checkpointing:
+        from .distributed import apply_activation_checkpointing
+
+        apply_activation_checkpointing(model)
     # The KL reference is the initial policy, frozen.
     ref_model = copy.deepcopy(model).eval().requires_grad_(False) if cfg.kl_coef > 0 else None
-    learner = Learner(
-        model, tok, lr=cfg.lr, clip_eps=cfg.epsilon, kl_coef=cfg.kl_coef, temperature=cfg.temperature, dtype=dtype,
-        publish_dtype=torch.bfloat16 if cfg.publish_dtype == "bfloat16" else torch.float32, seed=cfg.seed,
-        ref_model=ref_model, epsilon_high=cfg.epsilon_high, loss_type=cfg.loss_type, scale_rewards=cfg.scale_rewards,
-        max_is_ratio=cfg.max_is_ratio, mask_truncated_completions=cfg.mask_truncated_completions,
-        num_iterations=cfg.num_iterations, max_completion_length=cfg.max_new_tokens,
-        micro_batch_tokens=cfg.micro_batch_tokens,
-    )
+    learner = Learner(model, tok, ref_model=ref_model, **kw)
     return learner, tok, model_config, artifacts
 
 
@@ -101,7 +125,7 @@ class Trainer:
     """The training room. ``book`` is intake's: a task's entry goes when its last group leaves."""
 
     def __init__(
-        self, cfg: HubConfig, learner: Learner, publisher: PolicyPublisher, sender: Any, store: StoreWorker, book: TaskBook
+        self, cfg: HubConfig, learner: Learner | ShardedLearner, publisher: PolicyPublisher, sender: Any, store: StoreWorker, book: TaskBook
     ) -> None:
         self.cfg = cfg
         self.learner = learner
@@ -179,7 +203,12 @@ class Trainer:
         if ck is None:
             return None, 0
         step, state = ck
-        self.learner.load_checkpoint_state(state)
+        if "dcp" in state:  # written by sharded ranks: any rank count (or one process) reads it
+            from . import shardckpt
+
+            shardckpt.load_into(self.learner, self.store.checkpoint_dir / str(state["dcp"]), int(state["version"]))
+        else:
+            self.learner.load_checkpoint_state(state)
         self.prompt_seq = int(state.get("prompt_seq", 0))
         self.history[:] = list(state.get("history", []))
         self.busy_s = float(state.get("busy_s", 0.0))
@@ -202,14 +231,25 @@ class Trainer:
 
         def write() -> tuple[Path, int]:
             # the learner is not stepped while this runs: only the learner loop steps it, and it awaits this
-            state = self.learner.checkpoint_state() | extra
+            save_sharded = getattr(self.learner, "save_sharded", None)
+            if save_sharded is not None:
+                # each rank writes its own shards (no full copy anywhere); step-N.pt, written after
+                # them, names the folder, so a crash mid-write leaves the previous checkpoint
+                folder = self.store.checkpoint_dir / f"step-{step}.dcp"
+                self.store.checkpoint_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+                save_sharded(folder)
+                state = {"version": step, "dcp": folder.name} | extra
+            else:
+                state = self.learner.checkpoint_state() | extra
             return HubStore.write_checkpoint_file(self.store.checkpoint_dir, step, state)
 
         final, size = await trio.to_thread.run_sync(write)
         self.store.submit(HubStore.record_checkpoint, step, final, size)
 
     async def publish(self) -> None:
-        sd = self.learner.state_dict_for_publish()
+        # in a thread: gathering SmolLM2-135M from 2 ranks took 2.1-3.0 s here (the one-process
+        # copy 0.2-1.0 s), the loop's to stall; only this loop steps the learner, and it awaits this
+        sd = await trio.to_thread.run_sync(self.learner.state_dict_for_publish)
         pub = await self.publisher.publish(self.learner.version, sd)
         self.sender.notify()
         enc = sum(len(e) for e in pub.packed.encoded)

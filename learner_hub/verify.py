@@ -35,7 +35,7 @@ import math
 import random
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -43,6 +43,9 @@ from echo2.models import statedict
 
 from .learner import Learner
 from .rows import Group
+
+if TYPE_CHECKING:
+    from .distributed import ShardedLearner
 
 
 @dataclass
@@ -79,7 +82,7 @@ class Verifier:
 
     def __init__(
         self,
-        learner: Learner,
+        learner: Learner | ShardedLearner,
         weights: Callable[[int], dict[str, torch.Tensor] | None],
         tolerance: float,
         *,
