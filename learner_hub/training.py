@@ -18,7 +18,7 @@ import trio
 
 from echo2.protocol.errors import Echo2Error
 
-from .config import HubConfig, check_sampling
+from .config import HubConfig, check_lora, check_sampling
 from .dispatch import ReplayBuffer
 from .intake import TaskBook
 from .learner import Learner
@@ -42,6 +42,7 @@ def build_learner(cfg: HubConfig) -> tuple[Learner, Any, str, dict[str, bytes]]:
     from echo2.models import spec as modelspec
 
     check_sampling(cfg)  # also for a HubConfig built in code, which never passed load_config
+    check_lora(cfg)
     torch.manual_seed(cfg.seed)
     dtype = torch.bfloat16 if cfg.dtype == "bfloat16" else torch.float32
     if cfg.model == "tiny":
@@ -51,8 +52,25 @@ def build_learner(cfg: HubConfig) -> tuple[Learner, Any, str, dict[str, bytes]]:
     else:
         model, model_config, artifacts = modelspec.load_local_model(gguf.resolve_model(cfg.model))
     tok = modelspec.load_tokenizer(artifacts)
-    # The KL reference is the initial policy, frozen.
-    ref_model = copy.deepcopy(model).eval().requires_grad_(False) if cfg.kl_coef > 0 else None
+    ref_model: Any = None
+    if cfg.lora.enabled:
+        from echo2.models import lora
+
+        lo = cfg.lora
+        peft_model = lora.wrap(model, r=lo.r, alpha=lo.alpha, target_modules=lo.target_modules, dropout=lo.dropout)
+        # nodes learn the adapter's shape from this artifact; publication carries base + adapter
+        # (echo2.models.lora explains the layout)
+        artifacts = {**artifacts, lora.ADAPTER_CONFIG: lora.adapter_config_json(peft_model)}
+        # the learner runs the inner model (peft injected the adapters into it); only they train
+        model = peft_model.get_base_model()
+        # the KL reference: the base, i.e. this very model with its adapters off (no second copy)
+        ref_model = lora.AdapterOff(peft_model) if cfg.kl_coef > 0 else None
+        trained = sum(p.numel() for p in model.parameters() if p.requires_grad)
+        log.info("LoRA r=%d alpha=%g on %s: %d trainable parameters of %d", lo.r, lo.alpha, lo.target_modules,
+                 trained, sum(p.numel() for p in model.parameters()))
+    elif cfg.kl_coef > 0:
+        # The KL reference is the initial policy, frozen.
+        ref_model = copy.deepcopy(model).eval().requires_grad_(False)
     learner = Learner(
         model, tok, lr=cfg.lr, clip_eps=cfg.epsilon, kl_coef=cfg.kl_coef, temperature=cfg.temperature, dtype=dtype,
         publish_dtype=torch.bfloat16 if cfg.publish_dtype == "bfloat16" else torch.float32, seed=cfg.seed,
