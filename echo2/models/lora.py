@@ -51,6 +51,8 @@ def base_name(name: str) -> str:
 
 def published_names(state_dict: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """The inner model's state dict under publication names (identity for a model without LoRA)."""
+    if not any(is_adapter_key(k) for k in state_dict):
+        return dict(state_dict)  # a plain model keeps its names, whatever they contain
     out: dict[str, torch.Tensor] = {}
     for k, v in state_dict.items():
         out[ADAPTER_PREFIX + k if is_adapter_key(k) else base_name(k)] = v
@@ -65,7 +67,10 @@ def to_model_names(model: torch.nn.Module, published: Mapping[str, torch.Tensor]
     """A published state dict renamed to ``model``'s own keys (the inverse of ``published_names``
     for that model). Names the model lacks keep their published name, so ``load_state_dict``
     (strict) or ``check_state_dict`` reports them rather than this dropping them silently."""
-    back = {ADAPTER_PREFIX + k if is_adapter_key(k) else base_name(k): k for k in model.state_dict()}
+    own = list(model.state_dict())
+    if not any(is_adapter_key(k) for k in own):
+        return dict(published)
+    back = {ADAPTER_PREFIX + k if is_adapter_key(k) else base_name(k): k for k in own}
     return {back.get(k, k): v for k, v in published.items()}
 
 
