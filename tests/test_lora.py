@@ -295,3 +295,20 @@ def test_lora_checkpoint_resumes_adapters_and_publishes_the_same_bytes(tmp_path:
     assert all(torch.equal(a[k], b[k]) for k in a)
     trainer.store.close()
     again.store.close()
+
+
+def test_bench_pack_lora_case(tmp_path: Path) -> None:
+    import argparse
+    import json
+
+    from echo2.bench.pack_lora import run_lora
+
+    out = tmp_path / "pack.json"
+    args = argparse.Namespace(model="tiny", lora=4, lr=1e-3, warmup=1, chunk_bytes=64 * 1024, level=1, no_split=False,
+                              seed=0, json=str(out))
+    assert run_lora(args) == 0
+    rep = json.loads(out.read_text())
+    assert rep["equal"] and rep["adapter_params"] > 0
+    # 64 KiB chunks: the adapter is the buffer's tail, the base's chunks are version 0's
+    assert rep["v2"]["chunks_new"] <= 2 < rep["v2"]["chunks"]
+    assert rep["max_ratio"] <= 0.05, rep
