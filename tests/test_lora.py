@@ -312,3 +312,22 @@ def test_bench_pack_lora_case(tmp_path: Path) -> None:
     # 64 KiB chunks: the adapter is the buffer's tail, the base's chunks are version 0's
     assert rep["v2"]["chunks_new"] <= 2 < rep["v2"]["chunks"]
     assert rep["max_ratio"] <= 0.05, rep
+
+
+def test_lora_version_over_a_plain_parent_packs_and_round_trips(tmp_path: Path) -> None:
+    """A LoRA version whose parent is a plain full version (another layout: the adapter tensors
+    are extra) packs without error, and decodes bit for bit against that parent."""
+    from echo2.protocol import packing
+
+    trainer = make_trainer(tmp_path)
+    sd = weights(trainer, 0)
+    plain = {k: v for k, v in sd.items() if not k.startswith(lora.ADAPTER_PREFIX)}
+    common: dict[str, Any] = dict(chunk_size=16 * 1024, model_config=trainer.publisher.model_config, artifacts={})
+    parent = statedict.pack_version(plain, version=0, parent=None, **common)
+    child = statedict.pack_version(sd, version=1, parent=parent, keep_unchanged=True, **common)
+    m = child.manifest
+    raws = [packing.decode_chunk(c, e, parent.raw_chunks[c.index] if c.encoding == "delta" else None)
+            for c, e in zip(m.chunks, child.encoded, strict=True)]
+    out = statedict.assemble(m, raws)
+    assert set(out) == set(sd) and all(torch.equal(out[k], sd[k]) for k in sd)
+    trainer.store.close()
