@@ -11,6 +11,7 @@ before training and after each evaluation, the steps taken, wall time and tokens
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import tempfile
 import time
@@ -30,6 +31,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--nodes", type=int, default=2)
     p.add_argument("--threads", type=int, default=1, help="torch threads per process")
     p.add_argument("--eval-every", type=int, default=0, help="override the recipe's eval_every (0 = keep)")
+    p.add_argument("--lora", type=int, default=0, metavar="R",
+                   help="train LoRA adapters of rank R (alpha 2R, the hub's default target modules) instead of the recipe's setting")
+    p.add_argument("--lr", type=float, default=0.0, help="override the recipe's learning rate (0 = keep; LoRA wants ~1e-4..5e-4)")
     p.add_argument("--dir", type=Path, default=None, help="where the hub and nodes keep their files (default: a temp dir)")
     p.add_argument("--json", type=Path, required=True, metavar="FILE", help="write the report as JSON")
     p.add_argument("--plot", type=Path, default=None, metavar="FILE.png", help="eval accuracy and train reward vs wall time")
@@ -144,6 +148,12 @@ def run(args: argparse.Namespace) -> int:
         except gguf.GGUFError as e:
             raise SystemExit(str(e)) from e
     cfg = recipe_config(args.recipe, args.model, args.eval_every)
+    if args.lora > 0:
+        from echo2.learner_hub.config import LoraSpec
+
+        cfg.lora = LoraSpec(r=args.lora, alpha=2 * args.lora)
+    if args.lr > 0:
+        cfg.lr = args.lr
     root = args.dir or Path(tempfile.mkdtemp(prefix="echo2-learn-"))
     if args.model == "tiny" and Path(cfg.dataset.path).is_dir():
         cfg.dataset.path = str(plain_text_copy(Path(cfg.dataset.path), root / "data-plain"))
@@ -168,6 +178,7 @@ def run(args: argparse.Namespace) -> int:
     wall = time.monotonic() - t0
     st = swarm.status() or st  # the hub's last snapshot, written as it stopped
     rep = build_report(st, model=args.model, minutes=args.minutes, wall_s=wall, nodes=args.nodes)
+    rep |= {"lr": cfg.lr, "lora": dataclasses.asdict(cfg.lora) if cfg.lora.enabled else None}
     for line in summary_lines(rep):
         print(line)
     args.json.write_text(json.dumps(rep, indent=1))

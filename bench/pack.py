@@ -28,6 +28,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--repeat", type=int, default=3, help="timed encode/decode runs; the fastest counts")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", default=None, metavar="FILE", help="write the results as JSON")
+    parser.add_argument("--lora", type=int, default=0, metavar="R",
+                        help="the LoRA case: bytes per adapter version of a rank-R adapter vs the full model's (bench/pack_lora.py)")
+    parser.add_argument("--model", default="tiny", help="with --lora: tiny | smollm2 | a local model directory (default tiny)")
 
 
 def _llama_config(n_params: int) -> Any:
@@ -87,6 +90,10 @@ def _train(cfg: Any, lr: float, warmup: int) -> tuple[dict[str, Any], dict[str, 
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.lora > 0:
+        from .pack_lora import run_lora
+
+        return run_lora(args)
     import torch
 
     from echo2.models import statedict

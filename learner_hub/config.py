@@ -50,6 +50,23 @@ class DatasetSpec:
 
 
 @dataclass
+class LoraSpec:
+    """``lora = {r = 16, alpha = 32, target_modules = [...], dropout = 0.0}``: train LoRA adapters
+    (peft) instead of the whole model; r = 0 = off (full fine-tune)."""
+
+    r: Annotated[int, msgspec.Meta(ge=0, le=4096)] = 0
+    alpha: Annotated[int, msgspec.Meta(gt=0)] = 32
+    # the attention projections of Llama/Qwen2-style models; ["all-linear"] = every linear layer
+    # but the output head (peft's shortcut)
+    target_modules: list[str] = field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"])
+    dropout: Annotated[float, msgspec.Meta(ge=0, lt=1)] = 0.0
+
+    @property
+    def enabled(self) -> bool:
+        return self.r > 0
+
+
+@dataclass
 class HubConfig:
     dir: Annotated[str, _doc("hub directory: key, hub.addrs, status, checkpoints")] = "."
     # networking
@@ -83,6 +100,9 @@ class HubConfig:
     eval_pass_threshold: Annotated[float, _doc("an eval completion whose reward reaches this counts as correct")] = 1.0
     eval_temperature: Annotated[float, _doc("sampling temperature of eval tasks (0 = greedy)", ge=0)] = 0.0
     eval_max_prompts: Annotated[int, _doc("eval prompts per evaluation (the first N of the eval split)", ge=1)] = 256
+    lora: Annotated[LoraSpec, _doc("LoRA adapters: {r, alpha, target_modules, dropout}; r = 0 trains the whole model")] = field(
+        default_factory=LoraSpec
+    )
     dtype: Annotated[DType, _doc("training dtype: float32 | bfloat16")] = "float32"
     publish_dtype: Annotated[DType, _doc("dtype of published policy versions (bfloat16 compresses deltas well)")] = "bfloat16"
     # GRPO
@@ -172,7 +192,8 @@ def _allowed(tp: Any) -> str:
     if get_origin(tp) is Literal:
         return "one of " + ", ".join(_toml_value(c) for c in get_args(tp))
     words = {int: "an integer", float: "a number", str: "a string", bool: "true or false",
-             DatasetSpec: "a table {path, split, prompt_column, eval_split, system_prompt}"}.get(tp) or (
+             DatasetSpec: "a table {path, split, prompt_column, eval_split, system_prompt}",
+             LoraSpec: "a table {r (0..4096), alpha (an integer > 0), target_modules, dropout (0)}"}.get(tp) or (
         "a table" if get_origin(tp) is dict else "a list of numbers" if get_args(tp) == (float,) else "a list of strings")
     bounds = [f"{sym} {getattr(m, attr):g}" for m in metas
               for attr, sym in (("ge", ">="), ("gt", ">"), ("le", "<="), ("lt", "<")) if getattr(m, attr) is not None]
@@ -195,6 +216,14 @@ def _convert(table: dict[str, Any], source: str) -> HubConfig:
             table[new] = table.pop(old)
     if isinstance(table.get("dataset"), str):  # the old form: dataset = "file.jsonl"
         table["dataset"] = {"path": table["dataset"]}
+    lo = table.get("lora")
+    if isinstance(lo, dict):  # msgspec passes unknown keys of a nested table over in silence
+        fields = [f.name for f in dataclasses.fields(LoraSpec)]
+        bad = sorted(set(lo) - set(fields))
+        if bad:
+            close = difflib.get_close_matches(bad[0], fields, n=1)
+            hint = f" (did you mean {close[0]!r}?)" if close else ""
+            raise ConfigError(f"{source}: unknown key lora.{bad[0]}{hint}; lora keys: {', '.join(fields)}")
     known = list(_hints())
     unknown = sorted(set(table) - set(known))
     if unknown:
@@ -211,6 +240,7 @@ def _convert(table: dict[str, Any], source: str) -> HubConfig:
             raise ConfigError(f"{source}: {exc}") from exc
         raise ConfigError(f"{source}: {key} = {_toml_value(table[key])}: must be {_allowed(_hints()[key])}") from exc
     check_sampling(cfg, source)
+    check_lora(cfg, source)
     return cfg
 
 
@@ -224,6 +254,26 @@ def check_sampling(cfg: HubConfig, source: str = "HubConfig") -> None:
     if cfg.top_p < 1.0 or cfg.top_k > 0:
         raise ConfigError(f"{source}: top_p = {cfg.top_p:g}, top_k = {cfg.top_k}: echo2 trains on log-probs of the "
                           "untruncated distribution, so sampling must be too: set top_p = 1.0 and top_k = 0")
+
+
+def check_lora(cfg: HubConfig, source: str = "HubConfig") -> None:
+    """Refuse LoRA settings this hub cannot honour, before a model is built."""
+    lo = cfg.lora
+    if not lo.enabled:
+        return
+    if lo.dropout > 0:
+        # the learner computes every log-prob in eval mode (they must equal the nodes' for the
+        # importance ratio and verification), where dropout does nothing: refused, not ignored
+        raise ConfigError(f"{source}: lora.dropout = {lo.dropout:g}: echo2 computes LoRA log-probs without dropout "
+                          "(they must match the nodes'); set lora.dropout = 0.0")
+    if not lo.target_modules or any(not t for t in lo.target_modules):
+        raise ConfigError(f"{source}: lora.target_modules must name at least one module (or be [\"all-linear\"])")
+    if "all-linear" in lo.target_modules and len(lo.target_modules) > 1:
+        raise ConfigError(f"{source}: lora.target_modules: \"all-linear\" stands alone")
+    procs = int(getattr(cfg, "learner_procs", 1) or 1)
+    if procs > 1:
+        raise ConfigError(f"{source}: lora with learner_procs = {procs}: a sharded LoRA learner is not supported yet; "
+                          "use learner_procs = 1 (an adapter's weights and optimizer state fit one device)")
 
 
 def load_config(path: str | Path) -> HubConfig:

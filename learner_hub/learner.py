@@ -28,6 +28,7 @@ from typing import Any, Protocol
 import torch
 from torch import Tensor
 
+from echo2.models import lora
 from echo2.models import spec as modelspec
 
 from .behaviour import logprob_problem
@@ -457,9 +458,10 @@ class Learner:
 
     @torch.no_grad()
     def state_dict_for_publish(self) -> dict[str, Tensor]:
-        """Contiguous CPU tensors in ``publish_dtype`` (floating tensors only are cast)."""
+        """Contiguous CPU tensors in ``publish_dtype`` (floating tensors only are cast), under
+        publication names (a LoRA model's base and adapter tensors: ``echo2.models.lora``)."""
         out: dict[str, Tensor] = {}
-        for k, v in self.model.state_dict().items():
+        for k, v in lora.published_names(self.model.state_dict()).items():
             t = v.detach()
             if t.is_floating_point():
                 t = t.to(self.publish_dtype)

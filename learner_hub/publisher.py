@@ -67,6 +67,9 @@ class PolicyPublisher:
         self.artifacts = artifacts
         self.chunk_size = int(cfg.chunk_bytes) or packing.DEFAULT_CHUNK_SIZE
         self.full_every = int(cfg.full_every)
+        # a LoRA policy's base chunks never change: snapshots keep them as zero deltas (packing)
+        lo = getattr(cfg, "lora", None)
+        self.keep_unchanged = bool(lo is not None and lo.enabled)
         # chunk bytes are kept for the versions still in use: verification of stale rows reads
         # versions t-S..t, and nodes may still be fetching the one before the latest
         self.keep_data = max(2, int(getattr(cfg, "staleness", 1)) + 2)
@@ -94,6 +97,7 @@ class PolicyPublisher:
                 model_config=self.model_config,
                 artifacts=self.artifacts,
                 full_every=self.full_every,
+                keep_unchanged=self.keep_unchanged,
             )
 
         t0 = time.time()

@@ -18,7 +18,7 @@ import trio
 
 from echo2.protocol.errors import Echo2Error
 
-from .config import ConfigError, HubConfig, check_sampling
+from .config import ConfigError, HubConfig, check_lora, check_sampling
 from .dispatch import ReplayBuffer
 from .intake import TaskBook
 from .learner import Learner
@@ -47,6 +47,7 @@ def build_learner(cfg: HubConfig) -> tuple[Learner | ShardedLearner, Any, str, d
     from echo2.models import spec as modelspec
 
     check_sampling(cfg)  # also for a HubConfig built in code, which never passed load_config
+    check_lora(cfg)
     torch.manual_seed(cfg.seed)
     dtype = torch.bfloat16 if cfg.dtype == "bfloat16" else torch.float32
     if cfg.model == "tiny":
@@ -67,7 +68,7 @@ def build_learner(cfg: HubConfig) -> tuple[Learner | ShardedLearner, Any, str, d
         from .distributed import ShardedLearner
 
         # a LoRA policy (issue 17 item 3) is trained by the one-process learner only, for now
-        if getattr(getattr(cfg, "lora", None), "enabled", False):  # the LoRA branch's LoraSpec
+        if cfg.lora.enabled:
             raise ConfigError("lora with learner_procs > 1 is not supported yet: set learner_procs = 1 for a LoRA policy")
         device = "cuda" if torch.cuda.is_available() else "cpu"
         if device == "cuda" and cfg.learner_procs > torch.cuda.device_count():
@@ -82,8 +83,25 @@ def build_learner(cfg: HubConfig) -> tuple[Learner | ShardedLearner, Any, str, d
         from .distributed import apply_activation_checkpointing
 
         apply_activation_checkpointing(model)
-    # The KL reference is the initial policy, frozen.
-    ref_model = copy.deepcopy(model).eval().requires_grad_(False) if cfg.kl_coef > 0 else None
+    ref_model: Any = None
+    if cfg.lora.enabled:
+        from echo2.models import lora
+
+        lo = cfg.lora
+        peft_model = lora.wrap(model, r=lo.r, alpha=lo.alpha, target_modules=lo.target_modules, dropout=lo.dropout)
+        # nodes learn the adapter's shape from this artifact; publication carries base + adapter
+        # (echo2.models.lora explains the layout)
+        artifacts = {**artifacts, lora.ADAPTER_CONFIG: lora.adapter_config_json(peft_model)}
+        # the learner runs the inner model (peft injected the adapters into it); only they train
+        model = peft_model.get_base_model()
+        # the KL reference: the base, i.e. this very model with its adapters off (no second copy)
+        ref_model = lora.AdapterOff(peft_model) if cfg.kl_coef > 0 else None
+        trained = sum(p.numel() for p in model.parameters() if p.requires_grad)
+        log.info("LoRA r=%d alpha=%g on %s: %d trainable parameters of %d", lo.r, lo.alpha, lo.target_modules,
+                 trained, sum(p.numel() for p in model.parameters()))
+    elif cfg.kl_coef > 0:
+        # The KL reference is the initial policy, frozen.
+        ref_model = copy.deepcopy(model).eval().requires_grad_(False)
     learner = Learner(model, tok, ref_model=ref_model, **kw)
     return learner, tok, model_config, artifacts
 
@@ -101,17 +119,19 @@ def learner_memory(cfg: HubConfig) -> Any:
         model_config, _ = modelspec.artifacts_for(conf, modelspec.tokenizer_json())
     else:
         model_config = modelspec.local_model_config(gguf.resolve_model(cfg.model))
-    lora = getattr(cfg, "lora", None) or None
-    ranks = int(getattr(cfg, "learner_procs", 1) or 1)
+    lora = cfg.lora if cfg.lora.enabled else None
+    ranks = cfg.learner_procs
     mem = memory.plan(
         memory.count_params(model_config, lora), ranks=ranks, micro_batch_tokens=cfg.micro_batch_tokens,
         compute_dtype=cfg.dtype, publish_dtype=cfg.publish_dtype, kl_reference=cfg.kl_coef > 0, lora=bool(lora),
-        activation_checkpointing=bool(getattr(cfg, "activation_checkpointing", False)), kept_versions=cfg.staleness + 2,
+        activation_checkpointing=cfg.activation_checkpointing, kept_versions=cfg.staleness + 2,
         step_tokens=cfg.prompts_per_step * cfg.group_size * (cfg.max_prompt_tokens + cfg.max_new_tokens),
     )
     log.info("%s", mem.describe())
     if cfg.memory_check:
-        device = str(getattr(cfg, "learner_device", "") or "cpu")
+        import torch
+
+        device = "cuda:0" if torch.cuda.is_available() else "cpu"  # the device build_learner trains on
         warning = memory.check(
             mem, memory.available_bytes(device, local_ranks=ranks), what=f"each of the {ranks} learner rank(s)",
             micro_batch_tokens=cfg.micro_batch_tokens,

@@ -39,7 +39,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from echo2.models import statedict
+from echo2.models import lora, statedict
 
 from .learner import Learner
 from .rows import Group
@@ -108,6 +108,10 @@ class Verifier:
             return None
         if self._shadow is None:
             self._shadow = copy.deepcopy(self.learner.model).eval().requires_grad_(False)
+        # a LoRA version's names are publication names: base + adapter (echo2.models.lora); the
+        # shadow is a copy of the learner's inner model, adapters included, so strict loading
+        # checks that the version holds exactly base + this adapter
+        sd = lora.to_model_names(self._shadow, sd)
         self._shadow.load_state_dict({k: t.float() if t.is_floating_point() else t for k, t in sd.items()})
         self._shadow_version = version
         return self._shadow

@@ -391,11 +391,17 @@ def pack_buffer(
     level: int = DEFAULT_LEVEL,
     created: float | None = None,
     bf16_split: bool = BF16_SPLIT,
+    keep_unchanged: bool = False,
 ) -> PackedVersion:
     """Cut and encode one version's flat bytes (``buf``, laid out as ``entries`` say). Chunks are
     deltas against ``parent`` where the parent has the same chunk (same index and size, same chunk
     size and split), except on snapshot versions (``version % full_every == 0``) where every chunk
-    is full. ``echo2.models.statedict.pack_version`` is the state-dict front door."""
+    is full. With ``keep_unchanged`` a snapshot still lists a chunk identical to the parent's as a
+    (zero) delta: a LoRA policy's frozen base never changes, and a node holding a chunk by its raw
+    hash never fetches it, while one without it gets the full encoding anyway, so re-encoding the
+    base in full every ``full_every`` versions would only cost the hub (echo2.models.lora).
+    An unchanged chunk shares the parent's bytes object (no second copy in memory).
+    ``echo2.models.statedict.pack_version`` is the state-dict front door."""
     if not 0 < chunk_size <= MAX_CHUNK_SIZE:
         raise ValueError(f"chunk_size {chunk_size} outside 1..{MAX_CHUNK_SIZE}")
     if full_every < 1:
@@ -408,8 +414,9 @@ def pack_buffer(
         pm = parent.manifest
         if pm.version >= version:
             raise ValueError(f"parent version {pm.version} is not older than {version}")
-        if version % full_every != 0 and pm.chunk_size == chunk_size and pm.bf16_split == bf16_split:
+        if (version % full_every != 0 or keep_unchanged) and pm.chunk_size == chunk_size and pm.bf16_split == bf16_split:
             base = parent
+    snapshot = version % full_every == 0
     mv = memoryview(buf)
     raw_chunks: list[bytes] = []
     encoded: list[bytes] = []
@@ -423,9 +430,14 @@ def pack_buffer(
             parent_hash = base.manifest.chunks[index].raw_hash
             if parent_hash == raw_hash:
                 enc = _zero_frame(len(raw), level)
+                raw = base.raw_chunks[index]
+                any_delta = True
+            elif snapshot:
+                parent_hash = None
+                enc = encode_chunk(raw, None, bf16_split=bf16_split, level=level)
             else:
                 enc = encode_chunk(raw, base.raw_chunks[index], bf16_split=bf16_split, level=level)
-            any_delta = True
+                any_delta = True
         else:
             enc = encode_chunk(raw, None, bf16_split=bf16_split, level=level)
         raw_chunks.append(raw)

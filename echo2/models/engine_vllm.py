@@ -17,10 +17,22 @@ A hub never asks for it: hub.toml refuses ``top_p < 1`` and ``top_k > 0`` at loa
 ``config.check_sampling``), because the learner's ratio is of the untruncated distribution.
 Each (prompt, sample) is its own request with a seed derived from the task seed, so generation is
 reproducible for a seed (up to vLLM's batch-composition numerics).
+
+LoRA versions (``adapter_config.json`` among the artifacts; ``echo2.models.lora``): the base goes
+into model.safetensors as above, vLLM is built with ``enable_lora=True`` (``max_lora_rank`` the
+smallest rank vLLM supports that holds the adapter's), and each version's adapter is written as a
+peft directory (adapter_config.json + adapter_model.safetensors, peft's tensor names) and named
+in every request by a ``LoRARequest`` with an id of its own, so vLLM never serves a cached older
+adapter under a new version; the previous adapter is removed from the engine. vLLM applies the
+adapter unmerged in the engine's dtype (bf16 here), so a hub verifying such nodes needs the
+``logprob_tolerance`` of any bf16 engine (about 1e-2, verify.py). Written against vLLM's LoRA API
+(``vllm.lora.request.LoRARequest``, ``LLM(enable_lora=..., max_lora_rank=..., max_loras=...)``);
+tested only where a GPU is lent (tests/test_lora.py, marked gpu).
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -33,12 +45,39 @@ from echo2.fsutil import atomic_write_path
 from echo2.protocol.errors import ManifestError
 from echo2.protocol.messages import Completion
 
+from . import lora
 from . import spec as modelspec
 from .engine_api import EngineError, validate_request
 
 log = logging.getLogger(__name__)
 
 _SEED_MIX = 0x9E3779B97F4A7C15
+#: ranks vLLM's LoRA kernels accept for max_lora_rank (vLLM's LoRAConfig check)
+_VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+
+
+def vllm_lora_rank(r: int) -> int:
+    """The smallest max_lora_rank vLLM accepts that holds an adapter of rank ``r``."""
+    for k in _VLLM_LORA_RANKS:
+        if k >= r:
+            return k
+    raise ManifestError(f"LoRA rank {r} is above vLLM's largest supported rank {_VLLM_LORA_RANKS[-1]}")
+
+
+def split_lora(state_dict: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """(base under the plain model's names, adapter under peft's saved names) of a published LoRA
+    version: ``~lora.model.layers.0.self_attn.q_proj.lora_A.default.weight`` becomes
+    ``base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight`` (what peft's
+    save_pretrained writes and vLLM's LoRA loader reads)."""
+    base: dict[str, torch.Tensor] = {}
+    adapter: dict[str, torch.Tensor] = {}
+    for k, v in state_dict.items():
+        if k.startswith(lora.ADAPTER_PREFIX):
+            name = k[len(lora.ADAPTER_PREFIX):].replace(f".{lora.ADAPTER_NAME}.", ".")
+            adapter["base_model.model." + name] = v
+        else:
+            base[k] = v
+    return base, adapter
 
 
 def derive_seed(seed: int, row: int) -> int:
@@ -79,6 +118,9 @@ class VLLMEngine:
         self.tokenizer: modelspec.TokenizerHandle | None = None
         self._vocab_size = 0
         self._max_len = 0
+        self._lora_rank = 0  # max_lora_rank vLLM was built with (0: built without LoRA)
+        self._lora: Any = None  # the LoRARequest of the loaded version's adapter
+        self._base: dict[str, torch.Tensor] | None = None  # base weights vLLM holds (LoRA mode)
 
     @property
     def engine_version(self) -> str:
@@ -110,15 +152,63 @@ class VLLMEngine:
         artifacts: dict[str, bytes],
         state_dict: dict[str, torch.Tensor],
     ) -> None:
-        if self.llm is not None and model_config_json == self.model_config_json:
-            self._update_weights(state_dict)
+        raw_adapter = artifacts.get(lora.ADAPTER_CONFIG)
+        if raw_adapter is None:
+            if self.llm is not None and model_config_json == self.model_config_json and not self._lora_rank:
+                self._update_weights(state_dict)
+            else:
+                self._start(model_config_json, artifacts, state_dict)
+            self._lora, self._base = None, None
         else:
-            self._start(model_config_json, artifacts, state_dict)
+            self._load_lora(version, model_config_json, artifacts, state_dict, raw_adapter)
         self.version = version
         log.info("vllm engine loaded version %d", version)
 
+    def _load_lora(
+        self, version: int, model_config_json: str, artifacts: dict[str, bytes], state_dict: dict[str, torch.Tensor],
+        raw_adapter: bytes,
+    ) -> None:
+        from vllm.lora.request import LoRARequest
+
+        try:
+            conf = lora.parse_adapter_config(raw_adapter)
+        except ValueError as exc:
+            raise ManifestError(f"version {version}: {exc}") from None
+        base, adapter = split_lora(state_dict)
+        if not adapter:
+            raise ManifestError(f"version {version}: {lora.ADAPTER_CONFIG} without adapter tensors")
+        rank = vllm_lora_rank(int(conf["r"]))
+        same_engine = self.llm is not None and model_config_json == self.model_config_json and self._lora_rank >= rank
+        if not same_engine:
+            self._start(model_config_json, {k: v for k, v in artifacts.items() if k != lora.ADAPTER_CONFIG}, base,
+                        lora_rank=rank)
+        elif self._base is None or set(base) != set(self._base) or any(not torch.equal(base[k], self._base[k]) for k in base):
+            self._update_weights(base)  # the base is frozen in a LoRA run: normally never taken
+        self._base = base
+        path = os.path.join(self.workdir, f"adapter-v{version}")
+        os.makedirs(path, exist_ok=True)
+        doc = json.loads(raw_adapter)
+        doc["base_model_name_or_path"] = self.model_dir
+        with open(os.path.join(path, "adapter_config.json"), "w", encoding="utf-8") as f:
+            json.dump(doc, f)
+        _save_safetensors(adapter, os.path.join(path, "adapter_model.safetensors"))
+        old = self._lora
+        # a fresh integer id per version: vLLM caches adapters by id
+        self._lora = LoRARequest(f"echo2-v{version}", version + 1, path)
+        if old is not None:
+            remove = getattr(getattr(self.llm, "llm_engine", None), "remove_lora", None)
+            if remove is not None:
+                remove(old.lora_int_id)
+            old_path = os.path.join(self.workdir, f"adapter-v{old.lora_int_id - 1}")
+            for name in ("adapter_config.json", "adapter_model.safetensors"):
+                with contextlib.suppress(OSError):
+                    os.remove(os.path.join(old_path, name))
+            with contextlib.suppress(OSError):
+                os.rmdir(old_path)
+
     def _start(
-        self, model_config_json: str, artifacts: dict[str, bytes], state_dict: dict[str, torch.Tensor]
+        self, model_config_json: str, artifacts: dict[str, bytes], state_dict: dict[str, torch.Tensor],
+        *, lora_rank: int = 0,
     ) -> None:
         from vllm import LLM
 
@@ -142,8 +232,10 @@ class VLLMEngine:
             logprobs_mode="processed_logprobs",
             seed=0,
             trust_remote_code=False,  # the config came from the network (A8)
+            **({"enable_lora": True, "max_lora_rank": lora_rank, "max_loras": 1} if lora_rank else {}),
         )
         self.model_config_json = model_config_json
+        self._lora_rank = lora_rank
 
     def _update_weights(self, state_dict: dict[str, torch.Tensor]) -> None:
         assert self.llm is not None
@@ -192,7 +284,8 @@ class VLLMEngine:
             )
             for r in range(len(rows))
         ]
-        outs = self.llm.generate(reqs, params, use_tqdm=False)
+        kw = {"lora_request": self._lora} if self._lora is not None else {}
+        outs = self.llm.generate(reqs, params, use_tqdm=False, **kw)
         result: list[Completion] = []
         for pi, out in zip(rows, outs, strict=True):
             o = out.outputs[0]

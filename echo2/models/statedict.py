@@ -107,6 +107,7 @@ def pack_version(
     level: int = packing.DEFAULT_LEVEL,
     created: float | None = None,
     bf16_split: bool = packing.BF16_SPLIT,
+    keep_unchanged: bool = False,
 ) -> PackedVersion:
     """Flatten, cut and encode one version (see :func:`echo2.protocol.packing.pack_buffer`)."""
     # Argument checks first, as before the split: a bad chunk_size must not cost a flatten.
@@ -118,6 +119,7 @@ def pack_version(
     return packing.pack_buffer(
         entries, buf, version=version, parent=parent, chunk_size=chunk_size, model_config=model_config,
         artifacts=artifacts, full_every=full_every, level=level, created=created, bf16_split=bf16_split,
+        keep_unchanged=keep_unchanged,
     )
 
 
