@@ -70,20 +70,15 @@ def run(args: argparse.Namespace) -> int:
 
     from echo2.learner_hub.distributed import ShardedLearner, local_bytes, optimizer_bytes
     from echo2.learner_hub.learner import Learner
-    from echo2.models import gguf
     from echo2.models import spec as modelspec
+    from echo2.models.policy import load_policy
 
     procs = [int(x) for x in args.procs.split(",") if x.strip()]
     if args.lora:
         print("--lora: LoRA policies are not supported by this learner bench yet (and not with procs > 1)")
         return 2
     torch.manual_seed(args.seed)
-    if args.model == "tiny":
-        conf = modelspec.tiny_config(hidden=args.tiny_hidden, layers=args.tiny_layers)
-        mc, arts = modelspec.artifacts_for(conf, modelspec.tokenizer_json())
-        model = modelspec.model_from_config(mc)
-    else:
-        model, mc, arts = modelspec.load_local_model(gguf.resolve_model(args.model))
+    model, mc, arts = load_policy(args.model, args.tiny_hidden, args.tiny_layers)
     model = model.float().eval()
     tok = modelspec.load_tokenizer(arts)
     vocab = int(model.get_input_embeddings().weight.shape[0])

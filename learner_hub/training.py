@@ -43,19 +43,14 @@ def build_learner(cfg: HubConfig) -> tuple[Learner | ShardedLearner, Any, str, d
     :class:`~echo2.learner_hub.distributed.ShardedLearner` with the same interface."""
     import torch
 
-    from echo2.models import gguf
     from echo2.models import spec as modelspec
+    from echo2.models.policy import load_policy
 
     check_sampling(cfg)  # also for a HubConfig built in code, which never passed load_config
     check_lora(cfg)
     torch.manual_seed(cfg.seed)
     dtype = torch.bfloat16 if cfg.dtype == "bfloat16" else torch.float32
-    if cfg.model == "tiny":
-        conf = modelspec.tiny_config(hidden=cfg.tiny_hidden, layers=cfg.tiny_layers)
-        model_config, artifacts = modelspec.artifacts_for(conf, modelspec.tokenizer_json())
-        model = modelspec.model_from_config(model_config)
-    else:
-        model, model_config, artifacts = modelspec.load_local_model(gguf.resolve_model(cfg.model))
+    model, model_config, artifacts = load_policy(cfg.model, cfg.tiny_hidden, cfg.tiny_layers)
     tok = modelspec.load_tokenizer(artifacts)
     kw: dict[str, Any] = dict(
         lr=cfg.lr, clip_eps=cfg.epsilon, kl_coef=cfg.kl_coef, temperature=cfg.temperature, dtype=dtype,
@@ -109,16 +104,11 @@ def build_learner(cfg: HubConfig) -> tuple[Learner | ShardedLearner, Any, str, d
 def learner_memory(cfg: HubConfig) -> Any:
     """The learner's memory plan for ``cfg`` (memory.py), from the model's config alone: printed
     at start-up and refused, before anything is loaded, when a rank cannot hold its share."""
-    from echo2.models import gguf
-    from echo2.models import spec as modelspec
+    from echo2.models.policy import policy_config
 
     from . import memory
 
-    if cfg.model == "tiny":
-        conf = modelspec.tiny_config(hidden=cfg.tiny_hidden, layers=cfg.tiny_layers)
-        model_config, _ = modelspec.artifacts_for(conf, modelspec.tokenizer_json())
-    else:
-        model_config = modelspec.local_model_config(gguf.resolve_model(cfg.model))
+    model_config = policy_config(cfg.model, cfg.tiny_hidden, cfg.tiny_layers)
     lora = cfg.lora if cfg.lora.enabled else None
     ranks = cfg.learner_procs
     mem = memory.plan(
