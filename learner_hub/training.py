@@ -66,11 +66,13 @@ def build_learner(cfg: HubConfig) -> tuple[Learner | ShardedLearner, Any, str, d
         if cfg.lora.enabled:
             raise ConfigError("lora with learner_procs > 1 is not supported yet: set learner_procs = 1 for a LoRA policy")
         device = "cuda" if torch.cuda.is_available() else "cpu"
-        if device == "cuda" and cfg.learner_procs > torch.cuda.device_count():
+        here = cfg.learner_local_procs or cfg.learner_procs
+        if device == "cuda" and here > torch.cuda.device_count():
             # NCCL refuses two ranks on one GPU
-            raise ConfigError(f"learner_procs = {cfg.learner_procs} needs as many GPUs; this machine has {torch.cuda.device_count()}")
+            raise ConfigError(f"{here} learner ranks on this machine need as many GPUs; it has {torch.cuda.device_count()}")
         sharded = ShardedLearner(
-            model, tok, model_config, procs=cfg.learner_procs, addr=cfg.learner_master_addr, port=cfg.learner_master_port,
+            model, tok, model_config, procs=cfg.learner_procs, local_procs=cfg.learner_local_procs,
+            addr=cfg.learner_master_addr, port=cfg.learner_master_port,
             mixed_precision=cfg.mixed_precision, activation_checkpointing=cfg.activation_checkpointing, device=device, **kw,
         )
         return sharded, tok, model_config, artifacts
@@ -123,7 +125,8 @@ def learner_memory(cfg: HubConfig) -> Any:
 
         device = "cuda:0" if torch.cuda.is_available() else "cpu"  # the device build_learner trains on
         warning = memory.check(
-            mem, memory.available_bytes(device, local_ranks=ranks), what=f"each of the {ranks} learner rank(s)",
+            mem, memory.available_bytes(device, local_ranks=cfg.learner_local_procs or ranks),
+            what=f"each of the {ranks} learner rank(s)",
             micro_batch_tokens=cfg.micro_batch_tokens,
         )
         if warning:
