@@ -59,6 +59,7 @@ from .config import NodeConfig, NodeStats, hub_peer_id
 from .delivery import deliver_until
 from .generate import generate_bounded
 from .hardware import probe
+from .receipts import ReceiptBook
 from .relay_runtime import RelayConfig, RelayNode
 from .tasks import TaskRefused, open_task
 from .versions import HeldVersion
@@ -94,6 +95,7 @@ class Node:
         self._current_task: Task | None = None
         self._admitted = trio.Event()
         self.store = ChunkStore(cfg.data_dir / "store")
+        self.receipts = ReceiptBook(cfg.data_dir)  # the hub's signed receipts, kept (issue 19)
         self.relay: Any = None
         self._addrs: list[str] = []
         self.measured: dict[str, float] = {"tokens_per_s": 0.0, "rollouts_per_s": 0.0, "upload_MBps": 0.0, "download_MBps": 0.0}
@@ -539,15 +541,17 @@ class Node:
         )
         try:
             # kept through transient refusals (busy, timeouts) until the task's deadline (A1)
-            await deliver_until(lambda: host.request(self.hub_peer, RESULT, envelope.seal(self.identity, result, ttl_s=300),
+            reply = await deliver_until(lambda: host.request(self.hub_peer, RESULT, envelope.seal(self.identity, result, ttl_s=300),
                                                      max_response=MAX_CONTROL_REQUEST, timeout_s=30),
                                 deadline=min(task.deadline, time.time() + 240), backoff=Backoff(base_s=0.5, cap_s=HUB_BACKOFF_CAP_S))
             self.stats.tasks_done += 1
             self.stats.tokens += tokens
             log.info("result of task %s accepted", task.task_id)  # what the crash bench counts as acknowledged
+            await self.receipts.accepted(reply, hub_peer=self.hub_peer, me=self.peer_id, task_id=task.task_id, replay=self.replay)
         except RemoteError as exc:
             self.stats.results_refused += 1
             log.warning("hub refused result of task %s: %s", task.task_id, exc)
+            await self.receipts.refused(hub_peer=self.hub_peer, task_id=task.task_id, code=exc.code, reason=exc.message)
         except (Echo2Error, OSError) as exc:
             log.warning("result of task %s not delivered: %s", task.task_id, exc)
         self._write_state()
