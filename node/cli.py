@@ -15,7 +15,11 @@ def register(parser: argparse.ArgumentParser) -> None:
     sub = parser.add_subparsers(dest="node_cmd", metavar="{run,status,receipts,doctor}")
     sub.required = True
     run = sub.add_parser("run", help="join a hub and produce rollouts", description="join a hub and produce rollouts")
-    run.add_argument("--hub", required=True, help="the hub's multiaddr, ending in /p2p/<peer ID> (see DIR/hub.addrs)")
+    where = run.add_mutually_exclusive_group(required=True)
+    where.add_argument("--hub", help="the hub's multiaddr, ending in /p2p/<peer ID> (see DIR/hub.addrs); "
+                                     "/dns4/NAME/tcp/PORT/p2p/ID and /dns6/... take a host name")
+    where.add_argument("--join", metavar="JOIN_STRING",
+                       help="the hub's address and join token in one string, as `echo2 hub join-string` prints it")
     run.add_argument("--data-dir", type=Path, default=DEFAULT_DIR, help=f"identity, state and chunk store (default {DEFAULT_DIR})")
     run.add_argument("--engine", default="auto", choices=["auto", "transformers", "vllm"])
     run.add_argument("--price", type=float, default=0.0, dest="price", metavar="USD_PER_HOUR", help="your price in USD per hour")
@@ -60,8 +64,17 @@ def _run(args: argparse.Namespace) -> int:
     token = args.join_token
     if args.join_token_file is not None:
         token = args.join_token_file.read_text().strip()
+    hub = args.hub
+    if args.join is not None:
+        from echo2.protocol.joinstring import JoinStringError, parse_join_string
+
+        try:
+            hub, joined = parse_join_string(args.join)
+        except JoinStringError as exc:
+            raise SystemExit(f"--join: {exc.message}") from exc
+        token = joined or token
     cfg = NodeConfig(
-        hub=args.hub,
+        hub=hub,
         data_dir=args.data_dir,
         engine=args.engine,
         price_usd_per_hour=args.price,

@@ -1,5 +1,5 @@
-"""Issue 19 must-show: a real swarm (hub and node processes on 127.0.0.1, the tiny model): the node's
-receipts verify offline, one with a byte changed is refused, and the credit they sum equals the hub's
+"""Issue 19 must-show: a real swarm (hub and node processes on 127.0.0.1, the tiny model; the node
+joins with a join string naming the hub as /dns4/localhost): the node's receipts verify offline, one with a byte changed is refused, and the credit they sum equals the hub's
 ledger for that node."""
 
 from __future__ import annotations
@@ -31,10 +31,21 @@ def receipts_cli(data_dir: Path) -> tuple[int, dict]:
 def test_swarm_receipts_verify_and_sum_to_the_hub_ledger(tmp_path: Path) -> None:
     # the hub runs on (many steps); the node stops by itself after TASKS accepted results, one at a
     # time, so no result of it is in flight when the ledger is read
-    cfg = HubConfig(task="copy", steps=10_000, staleness=1, seed=0)
-    with LocalSwarm(tmp_path, cfg, n_nodes=0, node_args=["--price", "3.6", "--max-tasks", str(TASKS)]) as swarm:
+    # token admission, and the node joins with the string `echo2 hub join-string --host localhost` prints:
+    # a /dns4 name (item 5) and the token in one
+    cfg = HubConfig(task="copy", steps=10_000, staleness=1, seed=0, admission="token")
+    with LocalSwarm(tmp_path, cfg, n_nodes=0) as swarm:
         swarm.start()
-        node = swarm.start_node(0)
+        join = subprocess.run([sys.executable, "-m", "echo2", "hub", "join-string", "--dir", str(tmp_path / "hub"),
+                               "--host", "localhost", "--expires", "1h"], capture_output=True, text=True, timeout=60, check=True)
+        assert join.stdout.startswith("/dns4/localhost/tcp/") and "/join/e2jt1." in join.stdout
+        (tmp_path / "node0").mkdir()
+        with open(tmp_path / "node0" / "node.log", "ab") as log:
+            node = subprocess.Popen(
+                [sys.executable, "-m", "echo2", "node", "run", "--join", join.stdout.strip(), "--data-dir",
+                 str(tmp_path / "node0"), "--threads", "1", "--price", "3.6", "--max-tasks", str(TASKS)],
+                stdout=log, stderr=subprocess.STDOUT)
+        swarm.nodes.append(node)
         try:
             node.wait(timeout=300)
         except subprocess.TimeoutExpired:
