@@ -36,6 +36,8 @@ def register(parser: argparse.ArgumentParser) -> None:
     run.add_argument("--allow-model-hub", action="store_true",
                      help="let transformers reach the Hugging Face hub (default: offline; a node needs nothing from it, "
                           "and a hub-sent setting could make it fetch code)")
+    run.add_argument("--json", action="store_true", dest="json_events",
+                     help="progress as JSON events on stdout, one per line (for machines)")
     run.add_argument("--max-tasks", type=int, default=0, help=argparse.SUPPRESS)
     run.set_defaults(func=_run)
     st = sub.add_parser("status", help="what the running node is doing", description="what the running node is doing")
@@ -86,6 +88,7 @@ def _run(args: argparse.Namespace) -> int:
         max_tasks=args.max_tasks,
         memory_budget_MiB=args.memory_budget_MiB,
         model_hub_offline=not args.allow_model_hub,
+        json_events=args.json_events,
     )
     return run_node(cfg)
 
