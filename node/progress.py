@@ -188,8 +188,15 @@ class NodeSteps:
     def loading(self, version: int) -> None:
         self.p.set("loading", f"loading version {version} into the engine", version=version)
 
+    def measuring(self, version: int) -> None:
+        self.p.set("measure", f"measuring this machine's throughput on version {version} (about 2 s)", version=version)
+
     def idle(self) -> None:
-        if self.p.event != "idle":
+        if self.p.event == "task":  # between tasks of a busy node: said only if the wait lasts
+            self.p.event, self.p.message, self.p.fields = "idle", "waiting for a task from the hub", {}
+            self.p.started = self.p.said = self.p.clock()
+            self.p.repeat_s = IDLE_REPEAT_S
+        elif self.p.event != "idle":
             self.p.set("idle", "waiting for a task from the hub", repeat_s=IDLE_REPEAT_S)
 
     def task(self, task_id: str, prompts: int, group: int, max_new: int) -> None:

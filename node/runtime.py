@@ -357,17 +357,18 @@ class Node:
     async def _load(self, held: HeldVersion, receive_s: float) -> None:
         m = held.manifest
         t0 = time.monotonic()
+        self.steps.loading(m.version)
         config_changed = self.held is None or self.held.manifest.model_config != m.model_config
         # sized before anything of it is allocated: a model over the budget is refused (ModelTooLarge)
         fp = await trio.to_thread.run_sync(self._check_fit, m.model_config) if config_changed else self._footprint
         sd = await trio.to_thread.run_sync(statedict.assemble, m, held.raw_chunks)
-        self.steps.loading(m.version)
         async with self._engine_lock:
             await trio.to_thread.run_sync(self._engine.load_version, m.version, m.model_config, dict(m.artifacts), sd)
             if config_changed:
                 self._footprint, self._rows_cap = fp, 0
                 from .measure import measure_throughput
 
+                self.steps.measuring(m.version)
                 tp = await trio.to_thread.run_sync(lambda: measure_throughput(self._engine, budget_s=2.0))
                 self.measured["tokens_per_s"], self.measured["rollouts_per_s"] = tp.tokens_per_s, tp.rollouts_per_s
                 log.info("measured %.0f tokens/s, %.1f rollouts/s on version %d", tp.tokens_per_s, tp.rollouts_per_s, m.version)
