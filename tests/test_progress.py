@@ -105,3 +105,34 @@ def test_pty_session_against_a_hub_not_up_names_address_and_retry(tmp_path: Path
     gaps = [b - a for a, b in zip(stamps, stamps[1:], strict=False)]
     assert max(gaps) <= 5.0, f"silent for {max(gaps):.1f} s:\n{session}"
     assert any(f"try {n}" in s for n in (2, 3) for _, s in retry), session
+
+
+def test_download_step_follows_the_relay_state(tmp_path: Path) -> None:
+    """A version being received (the relay's real broadcast state): MB of MB, chunks, peers, ETA."""
+    from test_messages import make_manifest
+
+    from echo2.node.chunkstore import ChunkStore
+    from echo2.node.progress import download_figures
+    from echo2.node.relay_runtime import RelayNode
+    from echo2.node.relay_state import Broadcast, star_view
+    from echo2.protocol.relay import Relay
+
+    me, hub = Identity.from_seed(b"\x03" * 32).peer_id, Identity.from_seed(b"\x04" * 32).peer_id
+    m = make_manifest()  # two chunks: 100 and 50 encoded bytes
+    plan = star_view(me, hub)
+    relay = Relay(me, plan, [c.enc_hash for c in m.chunks], have=[0], now=10.0)
+    bc = Broadcast(m, b"", plan, relay, 10.0)
+    msg, f = download_figures(bc, {hub: object()}, hub, bc.t0, 12.0)
+    assert (f["done"], f["total"], f["chunks_done"], f["chunks"], f["peers"]) == (100, 150, 1, 2, [hub])
+    assert f["eta_s"] == 1.0  # 100 bytes in 2 s: 50 left
+    assert msg.startswith("downloading version 4: 0.0 of 0.0 MB (1/2 chunks) from hub, ETA 1 s")
+    # as the watcher sees it: the step becomes "download", said with its figures
+    node = RelayNode(Identity.from_seed(b"\x03" * 32), ChunkStore(tmp_path / "store"), hub, "127.0.0.1:9")  # not started
+    node.bc = bc
+    out, clock = io.StringIO(), Clock()
+    p = Progress("json", out=out, clock=clock)
+    NodeSteps(p).poll_download(node, hub, None, 12.0)
+    (ev,) = events(out)
+    assert ev["event"] == "download" and ev["version"] == 4 and ev["chunks_done"] == 1
+    NodeSteps(p).poll_download(node, hub, 4, 12.0)  # the version is held already: nothing to say
+    assert len(events(out)) == 1
