@@ -41,6 +41,7 @@ from echo2.protocol.messages import (
     task_hash,
 )
 from echo2.protocol.net.control import ANNOUNCE_TOPIC, ControlHost
+from echo2.protocol.net.names import reachable_data_addr
 from echo2.protocol.wire import (
     ADMISSION,
     DECLINE,
@@ -260,7 +261,7 @@ class Node:
                 if not d.admitted:
                     self.steps.refused(d.reason)
                     return None
-                self._hub_data_addr = d.hub_data_addr
+                self._hub_data_addr = reachable_data_addr(d.hub_data_addr, host.remote_ip(self.hub_peer))
                 self._admitted.set()
                 self._admitted = trio.Event()
                 log.info("admitted by hub %s (staleness %d, current version %d)", self.hub_peer, d.staleness, d.current_version)

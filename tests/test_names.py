@@ -15,7 +15,7 @@ from echo2.protocol.errors import Echo2Error, TransportError
 from echo2.protocol.identity import Identity
 from echo2.protocol.joinstring import JoinStringError, make_join_string, parse_join_string
 from echo2.protocol.net.control import ControlHost
-from echo2.protocol.net.names import dns_parts, resolve_addr
+from echo2.protocol.net.names import dns_parts, reachable_data_addr, resolve_addr
 
 PEER = Identity.from_seed(b"\x07" * 32).peer_id
 PING = "/echo2/test-names/1.0.0"
@@ -97,3 +97,11 @@ def test_unresolvable_name_is_an_echo2_error() -> None:
     # what the node's connect loop catches and retries (Echo2Error), never a raw socket.gaierror
     with pytest.raises(Echo2Error):
         trio.run(resolve_addr, f"/dns6/127.0.0.1/tcp/1/p2p/{PEER}")
+
+
+def test_a_hub_on_every_interface_is_dialled_where_it_was_reached() -> None:
+    # a hub with listen_host = 0.0.0.0 tells nodes its data plane is at 0.0.0.0:PORT
+    assert reachable_data_addr("0.0.0.0:7001", "203.0.113.5") == "203.0.113.5:7001"
+    assert reachable_data_addr("[::]:7001", "2001:db8::1") == "[2001:db8::1]:7001"
+    assert reachable_data_addr("127.0.0.1:7001", "203.0.113.5") == "127.0.0.1:7001"  # a named host stays
+    assert reachable_data_addr("0.0.0.0:7001", None) == "0.0.0.0:7001"  # nothing better known

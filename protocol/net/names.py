@@ -50,3 +50,16 @@ async def resolve_addr(addr: str, *, timeout_s: float = RESOLVE_TIMEOUT_S) -> st
         if family in (socket.AF_INET, socket.AF_INET6):
             return f"/{'ip6' if family == socket.AF_INET6 else 'ip4'}/{sockaddr[0]}{rest}"
     raise TransportError(f"cannot resolve {name!r} ({proto}): no IPv4 or IPv6 address")
+
+
+_UNSPECIFIED = {"", "0.0.0.0", "::", "[::]"}
+
+
+def reachable_data_addr(data_addr: str, hub_ip: str | None) -> str:
+    """The hub's data-plane address (``host:port``) as a node can dial it: a hub listening on every
+    interface (``0.0.0.0:PORT``) names no host, and a node that found the hub by name would dial
+    its own machine; the IP its control connection reached the hub at is the one to use."""
+    host, sep, port = data_addr.rpartition(":")
+    if not sep or host not in _UNSPECIFIED or not hub_ip:
+        return data_addr
+    return f"[{hub_ip}]:{port}" if ":" in hub_ip else f"{hub_ip}:{port}"
