@@ -4,7 +4,7 @@ What the hub keeps of its weights is its checkpoints (``checkpoints/step-N.pt``:
 float32 master weights, or the name of a sharded ``step-N.dcp`` folder beside it); published
 versions travel to nodes as packed deltas and are not kept on the hub's disk. So the versions
 that can be exported are the checkpointed ones (every ``checkpoint_every`` steps and the last,
-the newest ``keep_checkpoints`` of them). The weights are written in the run's ``publish_dtype``
+the newest three of them: the store's ``keep_checkpoints``). The weights are written in the run's ``publish_dtype``
 by default: that cast of the master weights is the very policy nodes sampled and evaluations
 measured (bit for bit); ``dtype="float32"`` writes the master weights themselves.
 
@@ -30,6 +30,7 @@ import re
 import shutil
 import sqlite3
 import tempfile
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -110,7 +111,7 @@ def choose_step(
     if version is not None:
         if version not in available:
             raise ExportError(f"version {version} has no checkpoint; checkpointed versions: {sorted(available)} "
-                              "(the hub keeps the newest keep_checkpoints, every checkpoint_every steps)")
+                              "(the hub checkpoints every checkpoint_every steps and keeps the newest three)")
         return version, f"version {version} as asked"
     if not best_eval:
         return max(available), f"the newest checkpointed version ({max(available)})"
@@ -160,7 +161,9 @@ def load_master_weights(ckpt: Path, model: torch.nn.Module) -> dict[str, torch.T
 
         msd = get_model_state_dict(model)
         sd: dict[str, Any] = {"model": msd}
-        dcp.load(sd, checkpoint_id=str(ckpt.parent / str(state["dcp"])))
+        with warnings.catch_warnings():  # "torch.distributed is disabled ... single process": that is the intent
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+            dcp.load(sd, checkpoint_id=str(ckpt.parent / str(state["dcp"])))
         return dict(sd["model"])
     if "model" not in state:
         raise ExportError(f"{ckpt} holds no model weights")
@@ -242,6 +245,8 @@ def export(
     if merge and not cfg.lora.enabled:
         raise ExportError("--merge applies to a LoRA run (lora = {r = ...} in hub.toml); this run trained the whole model")
     out = Path(out)
+    if out.resolve() == hub_dir.resolve() or out.resolve() in hub_dir.resolve().parents:
+        raise ExportError(f"--out {out} would replace the hub directory {hub_dir}: choose another folder")
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         if not force:
             raise ExportError(f"{out} exists and is not empty (use --force to replace it)")
@@ -306,7 +311,11 @@ def _write_lora(cfg: HubConfig, peft_model: Any, src: Path | None, tmp: Path, ou
     base_ref = str(src) if src is not None else str((out / "base").resolve())
     peft_model.peft_config["default"].base_model_name_or_path = base_ref
     adapter_dir.mkdir(parents=True, exist_ok=True)
-    peft_model.save_pretrained(adapter_dir)
+    with warnings.catch_warnings():
+        # peft looks for the base's config.json to tell whether the vocabulary changed; base/ is
+        # written just below, and echo2's LoRA never trains the embeddings (adapters on linear layers)
+        warnings.filterwarnings("ignore", message="Could not find a config file")
+        peft_model.save_pretrained(adapter_dir)
     (adapter_dir / "README.md").unlink(missing_ok=True)  # peft's empty card; ours is written at the top
     write_tokenizer(cfg, src, adapter_dir)
     if src is None:

@@ -147,6 +147,8 @@ def test_export_loads_in_transformers_and_matches_the_hubs_policy(tmp_path: Path
         export(hub_dir, out)
     with pytest.raises(ExportError, match="LoRA run"):
         export(hub_dir, tmp_path / "m", merge=True)
+    with pytest.raises(ExportError, match="would replace the hub directory"):
+        export(hub_dir, tmp_path, force=True)
     assert tree_digest(hub_dir) == before
 
 
@@ -203,3 +205,24 @@ def test_lora_export_adapter_and_merged(tmp_path: Path) -> None:
         a, b = full(ids).logits, model(ids).logits
     # merged in float32 from the master weights vs bf16-published adapters applied unmerged
     assert torch.allclose(a, b, atol=5e-2), (a - b).abs().max()
+
+
+def test_export_reads_a_sharded_checkpoint(tmp_path: Path) -> None:
+    """A checkpoint of sharded learner ranks (step-N.pt naming a step-N.dcp folder, shardckpt.py)
+    exports the same weights as the learner held; written here by one process, which DCP reads
+    like N ranks' shards."""
+    from safetensors.torch import load_file
+
+    from echo2.learner_hub import shardckpt
+
+    hub = make_hub(tmp_path)
+    masters = train(hub, 1)
+    learner: Any = hub.learner
+    learner.save_sharded = lambda folder: shardckpt.save(learner.model, learner.optimizer, folder)  # what each rank runs
+    trio.run(hub.trainer.checkpoint)
+    hub.store.close()
+    ck = torch.load(Path(hub.cfg.dir) / "checkpoints" / "step-1.pt", weights_only=True)
+    assert ck["dcp"] == "step-1.dcp" and "model" not in ck
+    res = export(Path(hub.cfg.dir), tmp_path / "out", dtype="float32")
+    sd = load_file(res.out / "model.safetensors")
+    assert res.step == 1 and all(torch.equal(sd[k], masters[1][k]) for k in sd)
