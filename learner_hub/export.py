@@ -148,13 +148,31 @@ def find_config(hub_dir: Path, config: Path | None) -> tuple[HubConfig, str]:
         raise ExportError(f"{path}: {exc.message}") from exc
 
 
-def load_master_weights(ckpt: Path, model: torch.nn.Module) -> dict[str, torch.Tensor]:
+def open_checkpoint(hub_dir: Path, evaluations: list[dict[str, Any]], version: int | None,
+                    best_eval: bool) -> tuple[int, str, Path, dict[str, Any]]:
+    """Choose the step and map its checkpoint at once: a running hub prunes old checkpoints
+    (measured: the newest of three was gone 70 s later, while a loaded machine built the model),
+    and a mapped file stays readable after its unlink. A default choice pruned between listing
+    and mapping is made again."""
+    for attempt in range(3):
+        ckpts = checkpoints(hub_dir)
+        step, why = choose_step(sorted(ckpts), evaluations, version, best_eval)
+        try:
+            state = torch.load(ckpts[step], map_location="cpu", weights_only=True, mmap=True)
+        except FileNotFoundError:
+            if version is not None or attempt == 2:
+                raise ExportError(f"the checkpoint of version {step} was pruned by the running hub as export read it") from None
+            continue
+        if not isinstance(state, dict):
+            raise ExportError(f"{ckpts[step]} does not hold a checkpoint")
+        return step, why, ckpts[step], state
+    raise AssertionError("unreachable")
+
+
+def load_master_weights(ckpt: Path, state: dict[str, Any], model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """The learner's float32 weights at a checkpoint, under ``model``'s own names: a one-process
-    ``step-N.pt``, or the ``step-N.dcp`` folder it names (read without a process group, as a
-    one-process learner resumes it: shardckpt.py)."""
-    state = torch.load(ckpt, map_location="cpu", weights_only=True, mmap=True)
-    if not isinstance(state, dict):
-        raise ExportError(f"{ckpt} does not hold a checkpoint")
+    ``step-N.pt`` (``state``, as loaded), or the ``step-N.dcp`` folder it names (read without a
+    process group, as a one-process learner resumes it: shardckpt.py)."""
     if "dcp" in state:
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.state_dict import get_model_state_dict
@@ -254,8 +272,7 @@ def export(
     if dt not in _DTYPES:
         raise ExportError(f"dtype {dt!r}: one of {', '.join(_DTYPES)}")
     store = read_store(hub_dir)
-    ckpts = checkpoints(hub_dir)
-    step, why = choose_step(sorted(ckpts), store["evaluations"], version, best_eval)
+    step, why, ckpt, state = open_checkpoint(hub_dir, store["evaluations"], version, best_eval)
 
     model, src = _base_model(cfg)
     peft_model: Any = None
@@ -265,9 +282,9 @@ def export(
         lo = cfg.lora
         peft_model = lora.wrap(model, r=lo.r, alpha=lo.alpha, target_modules=lo.target_modules, dropout=lo.dropout)
         model = peft_model.get_base_model()  # the learner's (and the checkpoint's) names
-    weights = load_master_weights(ckpts[step], model)
+    weights = load_master_weights(ckpt, state, model)
     model.load_state_dict(weights, strict=True)
-    del weights
+    del weights, state
 
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.export-", dir=out.parent))
@@ -324,4 +341,4 @@ def _write_lora(cfg: HubConfig, peft_model: Any, src: Path | None, tmp: Path, ou
         write_tokenizer(cfg, src, tmp / "base")
 
 
-__all__ = ["ExportError", "ExportResult", "checkpoints", "choose_step", "export", "load_master_weights", "read_store"]
+__all__ = ["ExportError", "ExportResult", "checkpoints", "choose_step", "export", "load_master_weights", "open_checkpoint", "read_store"]
