@@ -8,11 +8,13 @@ import os
 import time
 from pathlib import Path
 
+from .prefs_cli import add_pref_flags, pref_overrides, register_prefs
+
 DEFAULT_DIR = Path.home() / ".echo2" / "node"
 
 
 def register(parser: argparse.ArgumentParser) -> None:
-    sub = parser.add_subparsers(dest="node_cmd", metavar="{run,status,doctor}")
+    sub = parser.add_subparsers(dest="node_cmd", metavar="{run,status,doctor,prefs}")
     sub.required = True
     run = sub.add_parser("run", help="join a hub and produce rollouts", description="join a hub and produce rollouts")
     run.add_argument("--hub", required=True, help="the hub's multiaddr, ending in /p2p/<peer ID> (see DIR/hub.addrs)")
@@ -33,6 +35,7 @@ def register(parser: argparse.ArgumentParser) -> None:
                      help="let transformers reach the Hugging Face hub (default: offline; a node needs nothing from it, "
                           "and a hub-sent setting could make it fetch code)")
     run.add_argument("--max-tasks", type=int, default=0, help=argparse.SUPPRESS)
+    add_pref_flags(run)
     run.set_defaults(func=_run)
     st = sub.add_parser("status", help="what the running node is doing", description="what the running node is doing")
     st.add_argument("--data-dir", type=Path, default=DEFAULT_DIR)
@@ -41,6 +44,7 @@ def register(parser: argparse.ArgumentParser) -> None:
     from .doctor import register_doctor
 
     register_doctor(sub)
+    register_prefs(sub, DEFAULT_DIR)
 
 
 def _run(args: argparse.Namespace) -> int:
@@ -66,6 +70,7 @@ def _run(args: argparse.Namespace) -> int:
         max_tasks=args.max_tasks,
         memory_budget_MiB=args.memory_budget_MiB,
         model_hub_offline=not args.allow_model_hub,
+        prefs=pref_overrides(args),
     )
     return run_node(cfg)
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 __all__ = ["NodeConfig", "NodeStats", "hub_peer_id"]
 
@@ -24,6 +25,8 @@ class NodeConfig:
     memory_budget_MiB: int = 0
     # transformers and huggingface_hub never touch the network (False: the operator allows it)
     model_hub_offline: bool = True
+    # computing preferences given as flags (prefs.Prefs field -> value); they override DATA_DIR/node.toml
+    prefs: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass
