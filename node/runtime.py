@@ -311,11 +311,6 @@ class Node:
         try:
             raw = await trio.to_thread.run_sync(self.store.load_raw_chunks, info.manifest)
             await self._load(HeldVersion(info.manifest, raw), info.seconds)
-        except ModelTooLarge as exc:
-            # the hub's model does not fit what this node's preferences allow: unavailable (told
-            # to the hub with both numbers) until a version that fits arrives or the cap changes
-            log.warning("version %d could not be loaded: %s", info.version, exc)
-            self.pauser.set_block(exc.code, exc.message)
         except Echo2Error as exc:
             log.warning("version %d could not be loaded: %s", info.version, exc)
         except Exception as exc:
@@ -378,7 +373,13 @@ class Node:
         t0 = time.monotonic()
         config_changed = self.held is None or self.held.manifest.model_config != m.model_config
         # sized before anything of it is allocated: a model over the budget is refused (ModelTooLarge)
-        fp = await trio.to_thread.run_sync(self._check_fit, m.model_config) if config_changed else self._footprint
+        try:
+            fp = await trio.to_thread.run_sync(self._check_fit, m.model_config) if config_changed else self._footprint
+        except ModelTooLarge as exc:
+            # it does not fit the memory this node's preferences allow: unavailable (told to the
+            # hub, with both numbers) until a version that fits arrives
+            self.pauser.set_block(exc.code, exc.message)
+            raise
         sd = await trio.to_thread.run_sync(statedict.assemble, m, held.raw_chunks)
         async with self._engine_lock:
             await trio.to_thread.run_sync(self._engine.load_version, m.version, m.model_config, dict(m.artifacts), sd)
