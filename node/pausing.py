@@ -93,6 +93,8 @@ class Pauser:
         self.readings = Readings()
         self._running = trio.Event()
         self._running.set()
+        self._relay_changed = trio.Event()
+        self._relaying = True
         self._told: tuple[bool, str] = (True, "")  # what the hub last acknowledged
         self._told_at = 0.0
         self.on_prefs_changed: Callable[[Prefs], None] = lambda _p: None
@@ -117,6 +119,11 @@ class Pauser:
         while not self.current.run:
             ev = self._running
             await ev.wait()
+
+    async def wait_relay(self, allowed: bool) -> None:
+        """Until relaying is ``allowed`` (True) or stopped (False) by the preferences."""
+        while self.current.relay != allowed:
+            await self._relay_changed.wait()
 
     def count_bytes(self, n: int) -> None:
         self.meter.add(n, self.clock())
@@ -162,6 +169,10 @@ class Pauser:
 
     def _apply(self) -> None:
         d = self.current
+        if d.relay != self._relaying:
+            self._relaying = d.relay
+            self._relay_changed.set()
+            self._relay_changed = trio.Event()
         if d.run:
             if not self._running.is_set():
                 log.info("resuming computing")

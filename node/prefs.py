@@ -203,11 +203,11 @@ class PrefsPolicy:
         day_cap, month_cap = p.max_daily_transfer_MB * 1e6, p.max_monthly_transfer_MB * 1e6
         if month_cap and readings.transfer_month_bytes >= month_cap:
             nxt = (now.replace(day=28) + timedelta(days=4)).replace(day=1, hour=0, minute=0, second=0, microsecond=0)
-            return Decision(False, "transfer_month", f"monthly transfer cap reached: {readings.transfer_month_bytes / 1e6:.1f} MB "
+            return Decision(False, "transfer_month", f"monthly transfer cap reached: {readings.transfer_month_bytes / 1e6:.4g} MB "
                             f"of {p.max_monthly_transfer_MB:g} MB", relay=False, resume_at=nxt.timestamp())
         if day_cap and readings.transfer_day_bytes >= day_cap:
             nxt = (now + timedelta(days=1)).replace(hour=0, minute=0, second=0, microsecond=0)
-            return Decision(False, "transfer_day", f"daily transfer cap reached: {readings.transfer_day_bytes / 1e6:.1f} MB "
+            return Decision(False, "transfer_day", f"daily transfer cap reached: {readings.transfer_day_bytes / 1e6:.4g} MB "
                             f"of {p.max_daily_transfer_MB:g} MB", relay=False, resume_at=nxt.timestamp())
         relay = p.relay_while_paused
         days, window = parse_days(p.days), parse_hours(p.hours)

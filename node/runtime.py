@@ -289,7 +289,18 @@ class Node:
     async def _policy_downlink(self, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
         """Policy versions arrive through the relay runtime: chunks from the hub or from parent
         peers (star or pipelined, as the hub plans), verified against the signed manifest,
-        stored crash-safely, forwarded to this node's children; complete versions get loaded."""
+        stored crash-safely, forwarded to this node's children; complete versions get loaded.
+        It stops while the preferences stop relaying (a transfer cap, or relay_while_paused =
+        false while computing is paused) and starts again after; children route around it."""
+        started = False
+        while True:
+            await self._run_relay(task_status if not started else trio.TASK_STATUS_IGNORED)
+            started = True
+            log.warning("relaying stopped: %s", self.pauser.current.reason)
+            await self.pauser.wait_relay(True)
+            log.info("relaying again")
+
+    async def _run_relay(self, task_status: Any) -> None:
         relay = self.relay_cls(
             self.identity,
             self.store,
@@ -301,11 +312,15 @@ class Node:
             on_evidence=self._on_evidence,
             on_same_version=self._on_same_version,
         )
+        if self.relay is not None:
+            relay.held = self.relay.held  # a restarted relay: what is on disk and loaded stays known
         self.relay = relay
         await trio.lowlevel.checkpoint()
         async with trio.open_nursery() as nursery:
             await nursery.start(relay.run)
             task_status.started()
+            await self.pauser.wait_relay(False)
+            nursery.cancel_scope.cancel()
 
     async def _on_relay_holds(self, info: Any) -> None:
         try:

@@ -6,6 +6,7 @@ engine; the hub's side of the wire is a recorder, the machine's readings a sourc
 from __future__ import annotations
 
 import time
+from datetime import datetime, timedelta
 from pathlib import Path
 from typing import Any
 
@@ -127,5 +128,46 @@ def test_paused_node_hands_its_task_back_and_resumes(tmp_path: Path) -> None:
         pauses = [m.paused for p, m in wire.sent if p == PAUSE]
         assert pauses[0] is True and pauses[-1] is False
         assert node.pauser.pauses == 1 and node.stats.tasks_declined == 1
+
+    trio.run(main)
+
+
+def test_transfer_cap_stops_relaying_until_the_next_day(tmp_path: Path) -> None:
+    node = make_node(tmp_path, max_daily_transfer_MB=0.001, check_every_s=0.05)
+    node.pauser.reader = Machine()
+    day = [datetime(2026, 12, 2, 23, 0).astimezone()]
+    node.pauser.clock = lambda: day[0]
+    node._hub_data_addr = "127.0.0.1:9"  # no hub there: the relay retries it, and serves peers meanwhile
+    wire = HubWire()
+
+    async def serving(relay: Any) -> bool:
+        host, port = relay.data_addr.rsplit(":", 1)
+        try:
+            stream = await trio.open_tcp_stream(host, int(port))
+        except OSError:
+            return False
+        await stream.aclose()
+        return True
+
+    async def main() -> None:
+        with trio.fail_after(30):
+            async with trio.open_nursery() as nursery:
+                await nursery.start(node._policy_downlink)
+                first = node.relay
+                assert await serving(first)
+                nursery.start_soon(node.pauser.run, wire)
+                node.pauser.count_bytes(1500)  # a result of 1.5 kB: over the 1 kB daily cap
+                while node.pauser.current.code != "transfer_day":
+                    await trio.sleep(0.02)
+                assert "0.0015 MB of 0.001 MB" in node.pauser.current.reason
+                while await serving(first):
+                    await trio.sleep(0.05)
+                day[0] += timedelta(hours=2)  # past midnight: the day's count starts again
+                while node.relay is first or not await serving(node.relay):
+                    await trio.sleep(0.05)
+                assert not node.pauser.paused
+                pauses = [m for p, m in wire.sent if p == PAUSE]
+                assert pauses[0].reason_code == "transfer_day" and pauses[0].resume_at == datetime(2026, 12, 3).astimezone().timestamp()
+                nursery.cancel_scope.cancel()
 
     trio.run(main)

@@ -66,7 +66,7 @@ def test_load_battery_and_transfer() -> None:
     assert decide(Prefs(), on_battery=True).code == "on_battery"
     assert decide(Prefs(pause_on_battery=False), on_battery=True).run
     d = decide(Prefs(max_daily_transfer_MB=100, relay_while_paused=True), transfer_day_bytes=150_000_000)
-    assert d.code == "transfer_day" and "150.0 MB of 100 MB" in d.reason and not d.relay
+    assert d.code == "transfer_day" and "150 MB of 100 MB" in d.reason and not d.relay
     assert datetime.fromtimestamp(d.resume_at, TZ) == datetime(2026, 12, 3, tzinfo=TZ)
     d = decide(Prefs(max_monthly_transfer_MB=1000), transfer_month_bytes=10**9)
     assert d.code == "transfer_month"
