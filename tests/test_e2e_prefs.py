@@ -1,6 +1,8 @@
 """Computing preferences in a real swarm (issue 19): a node's allowed hours close mid-run and
 reopen. Its tasks go back to the hub within their deadlines, it loses no reputation, activation
-works without it while it is paused, it resumes by itself, and the ledger counts every task once."""
+works without it while it is paused, it resumes by itself, and the ledger counts every task once.
+A third node's memory cap is below the model's need: it refuses it with both numbers and the hub
+sees it paused for that reason."""
 
 from __future__ import annotations
 
@@ -46,8 +48,10 @@ def test_hours_window_closes_and_reopens(tmp_path: Path) -> None:
         write_prefs(tmp_path / "node0", "")
         swarm.start_node(0)
         swarm.start_node(1)
-        wait_until(lambda: (tmp_path / "node0" / "node.key").exists(), 90, "node0 started")
-        victim = peer_of(tmp_path / "node0")
+        swarm.start_node(2, ["--max-memory-MiB", "1"])  # a cap below what the model needs
+        wait_until(lambda: (tmp_path / "node0" / "node.key").exists() and (tmp_path / "node2" / "node.key").exists(), 90,
+                   "nodes started")
+        victim, small = peer_of(tmp_path / "node0"), peer_of(tmp_path / "node2")
         wait_until(lambda: (s := swarm.status()) and s.get("step", 0) >= 3 and node_row(s, victim).get("tasks_done", 0) > 0,
                    90, lambda: f"swarm reaches step 3 with node0 working\n{logs(tmp_path)}")
         rep_before = node_row(swarm.status(), victim)["reputation"]
@@ -78,9 +82,15 @@ def test_hours_window_closes_and_reopens(tmp_path: Path) -> None:
         wait_until(lambda: node_row(swarm.status(), victim).get("tasks_done", 0) > done_paused, 30,
                    lambda: f"node0 works again\n{logs(tmp_path)}")
         t_resumed = time.time()
+        # the node with too little memory refused the model with both numbers, told the hub, stayed up
+        capped = node_row(swarm.status(), small)
+        assert capped.get("state") == "paused" and capped["paused"].startswith("model_too_large: "), capped
+        assert "parameters" in capped["paused"] and "1.0 MiB (configured)" in capped["paused"], capped
+        assert swarm.nodes[2].poll() is None
         st = swarm.wait(150)
         assert_run_ok(st, steps, tmp_path)
     assert st is not None
+    assert node_row(st, small).get("tasks_done") == 0
     # handed back within the deadline: by the node (its running task, or one that reached it
     # paused) or by the hub (tasks waiting in its mailbox), none left to expire
     tasks = query(tmp_path, "SELECT task_id, status, deadline, closed_at FROM tasks WHERE node = ?", (victim,))
@@ -106,6 +116,7 @@ def test_hours_window_closes_and_reopens(tmp_path: Path) -> None:
             first = query(tmp_path, "SELECT first_seen FROM nodes WHERE peer_id = ?", (peer,))[0][0]
             paused_s = t_open - t_paused  # at least this long unavailable, as the hub saw it
             assert active_s <= (saved_at - first) - paused_s + 2.0, (active_s, saved_at - first, paused_s)
+    print(f"memory-capped node: {capped['paused']}")
     print(f"paused {t_open - t_close:.1f}s, hub saw the pause after {t_paused - t_close:.2f}s, "
           f"resumed work {t_resumed - t_open:.2f}s after the window reopened; handed back {len(handed_back)} "
           f"task(s); statuses {sorted(set(statuses))}; reputation {rep_before} -> {node_row(st, victim)['reputation']}")
