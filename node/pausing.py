@@ -98,6 +98,7 @@ class Pauser:
         self._told: tuple[bool, str] = (True, "")  # what the hub last acknowledged
         self._told_at = 0.0
         self.on_prefs_changed: Callable[[Prefs], None] = lambda _p: None
+        self.on_change: Callable[[], None] = lambda: None  # paused or resumed (the node rewrites its state file)
         self.pauses = 0  # times computing paused (for status and tests)
         self.relay_bytes: Callable[[], int] = lambda: 0  # the policy downlink's bytes in and out so far
         self._relay_seen = 0
@@ -177,10 +178,12 @@ class Pauser:
             if not self._running.is_set():
                 log.info("resuming computing")
                 self._running.set()
+                self.on_change()
         elif self._running.is_set():
             self.pauses += 1
             log.warning("pausing computing: %s", d.reason)
             self._running = trio.Event()
+            self.on_change()
 
     def sample(self) -> Decision:
         """One reading and decision (blocking: the readings are file reads)."""

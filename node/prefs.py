@@ -24,6 +24,8 @@ __all__ = [
 ]
 
 DAYS = ("mon", "tue", "wed", "thu", "fri", "sat", "sun")
+#: readings under the CPU ceiling before a node paused by it resumes
+CPU_SETTLE_SAMPLES = 3
 PREFS_TABLE = "prefs"
 
 
@@ -189,6 +191,7 @@ class PrefsPolicy:
     prefs: Prefs
     _busy_seen_at: float | None = field(default=None, init=False)
     _first_seen_at: float | None = field(default=None, init=False)
+    _over_ceiling: tuple[float, float] | None = field(default=None, init=False)  # (when, load) last seen over
 
     def observe(self, readings: Readings, now: float) -> None:
         if self._first_seen_at is None:
@@ -196,6 +199,8 @@ class PrefsPolicy:
         load = readings.other_cpu_load
         if load is not None and load * 100 >= self.prefs.idle_load_percent:
             self._busy_seen_at = now
+        if load is not None and self.prefs.cpu_ceiling_percent and load * 100 > self.prefs.cpu_ceiling_percent:
+            self._over_ceiling = (now, load)
 
     def decide(self, readings: Readings, now: datetime) -> Decision:
         """``now``: local, timezone-aware time (days and hours are the volunteer's local ones)."""
@@ -221,8 +226,13 @@ class PrefsPolicy:
                             start.timestamp() if start else 0.0)
         if p.pause_on_battery and readings.on_battery:
             return Decision(False, "on_battery", "running on battery", relay)
+        over = self._over_ceiling
         if p.cpu_ceiling_percent and readings.other_cpu_load is not None and readings.other_cpu_load * 100 > p.cpu_ceiling_percent:
-            return Decision(False, "cpu_busy", f"other programs use {readings.other_cpu_load * 100:.0f}% of the CPUs "
+            over = (ts, readings.other_cpu_load)
+        # resumed only after the load stayed under the ceiling for CPU_SETTLE_SAMPLES readings: a load
+        # hovering at the ceiling would otherwise interrupt a task at every other reading
+        if p.cpu_ceiling_percent and over is not None and ts - over[0] < CPU_SETTLE_SAMPLES * p.check_every_s:
+            return Decision(False, "cpu_busy", f"other programs use {over[1] * 100:.0f}% of the CPUs "
                             f"(ceiling {p.cpu_ceiling_percent:g}%)", relay)
         if p.idle_minutes:
             need = p.idle_minutes * 60

@@ -123,6 +123,7 @@ class Node:
         # computing preferences (issue 19): when the node may compute, and how much of the machine
         self.pauser = Pauser(self.identity, self.hub_peer, cfg.data_dir, cfg.prefs)
         self.pauser.on_prefs_changed = self._prefs_changed
+        self.pauser.on_change = self._write_state
         self.pauser.relay_bytes = lambda: (self.relay.bytes_in + self.relay.bytes_out) if self.relay is not None else 0
 
     @property
@@ -419,13 +420,16 @@ class Node:
         if self._mem_budget is None:
             eng = self._engine
             on_acc = getattr(eng, "name", "") == "vllm" or str(getattr(eng, "device", "")).startswith("cuda")
-            caps = [c for c in (self.cfg.memory_budget_MiB, self.pauser.prefs.max_memory_MiB) if c > 0]
-            self._mem_budget = memory_budget(probe(self.cfg.data_dir), configured_MiB=min(caps, default=0),
-                                             on_accelerator=on_acc)
+            prefs, hw = self.pauser.prefs, probe(self.cfg.data_dir)
+            caps = [c for c in (self.cfg.memory_budget_MiB, prefs.max_memory_MiB) if c > 0]
+            if on_acc and prefs.gpu_memory_fraction and hw.accelerator_memory_bytes:
+                caps.append(int(hw.accelerator_memory_bytes * prefs.gpu_memory_fraction) // 1024**2)  # the share vLLM gets
+            self._mem_budget = memory_budget(hw, configured_MiB=min(caps, default=0), on_accelerator=on_acc)
         return self._mem_budget
 
     def _prefs_changed(self, prefs: Prefs) -> None:
         self._mem_budget = None  # the memory cap may have changed: the next model and task use the new one
+        self.pauser.clear_block()  # a model refused under the old cap is tried again with the next version
         if self.relay is not None:
             self.relay.cfg.max_disk_bytes = prefs.max_disk_MiB * 1024**2
 

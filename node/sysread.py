@@ -10,9 +10,13 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import TypeVar
 
 from .prefs import Readings
+
+T = TypeVar("T")
 
 # /proc/interrupts lines of human input: the PS/2 controller (laptops' built-in keyboard and
 # touchpad), and devices whose driver names them; USB HID shares its controller's line with
@@ -85,6 +89,14 @@ def on_battery(root: Path = Path("/sys/class/power_supply")) -> bool | None:
     return discharging and not mains_online
 
 
+def _or_none(read: Callable[[], T]) -> T | None:
+    """A reading, or None when the file says something unexpected (a kernel we do not know)."""
+    try:
+        return read()
+    except (ValueError, IndexError, OSError):
+        return None
+
+
 class SystemReader:
     """Takes :class:`Readings` (blocking file reads: call it from a worker thread)."""
 
@@ -127,9 +139,9 @@ class SystemReader:
 
     def read(self, transfer_day_bytes: int = 0, transfer_month_bytes: int = 0) -> Readings:
         return Readings(
-            input_idle_s=self.input_idle_s(),
-            other_cpu_load=self.other_cpu_load(),
-            on_battery=on_battery(self.power),
+            input_idle_s=_or_none(self.input_idle_s),
+            other_cpu_load=_or_none(self.other_cpu_load),
+            on_battery=_or_none(lambda: on_battery(self.power)),
             transfer_day_bytes=transfer_day_bytes,
             transfer_month_bytes=transfer_month_bytes,
         )

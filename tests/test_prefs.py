@@ -164,3 +164,31 @@ def test_system_reader_counts_other_programs_load_not_its_own(tmp_path: Path) ->
     write(1700, 2300, 920, 140)  # input arrived: idle time starts again
     rd = r.read()
     assert rd.other_cpu_load == pytest.approx(0.08) and rd.input_idle_s is not None and rd.input_idle_s < 0.5
+
+
+def test_cpu_ceiling_resumes_only_after_the_load_settles() -> None:
+    pol, t0 = PrefsPolicy(Prefs(cpu_ceiling_percent=50, check_every_s=2)), WED_10.timestamp()
+    pol.observe(Readings(other_cpu_load=0.9), t0)
+    calm = Readings(other_cpu_load=0.1)
+    for dt in (2, 4):
+        pol.observe(calm, t0 + dt)
+        d = pol.decide(calm, WED_10 + timedelta(seconds=dt))
+        assert d.code == "cpu_busy" and "90%" in d.reason, dt
+    pol.observe(calm, t0 + 6)
+    assert pol.decide(calm, WED_10 + timedelta(seconds=6)).run
+
+
+def test_disk_cap_refuses_a_version_that_would_not_fit() -> None:
+    from echo2.models import spec as ms
+    from echo2.models import statedict
+    from echo2.node.relay_state import RelayConfig, budget_refusal
+
+    cj, arts = ms.artifacts_for(ms.tiny_config(hidden=32, layers=1, heads=2), ms.tokenizer_json())
+    m = statedict.pack_version(ms.model_from_config(cj).state_dict(), version=1, parent=None, model_config=cj,
+                               artifacts=arts).manifest
+    free = 1 << 40
+    assert budget_refusal(m, RelayConfig(), missing_bytes=m.total_bytes, free_disk=free, stored_bytes=10**9) is None
+    cap = RelayConfig(max_disk_bytes=m.total_bytes + 1000)
+    assert budget_refusal(m, cap, missing_bytes=m.total_bytes, free_disk=free, stored_bytes=0) is None
+    why = budget_refusal(m, cap, missing_bytes=m.total_bytes, free_disk=free, stored_bytes=2000)
+    assert why is not None and "disk cap" in why and str(m.total_bytes + 1000) in why
