@@ -88,7 +88,7 @@ def _status(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(state, indent=1))
         return 0
-    for key in ("peer_id", "hub", "admitted", "admission_reason", "version", "tasks_done", "tasks_declined",
+    for key in ("peer_id", "hub", "admitted", "admission_reason", "paused", "pause_reason", "version", "tasks_done", "tasks_declined",
                 "results_refused", "tokens", "price_usd_per_hour", "estimated_earnings_usd", "state_age_s"):
         print(f"{key:24} {state.get(key)}")
     return 0

@@ -68,10 +68,36 @@ def _prefs(args: argparse.Namespace) -> int:
         return 1
     given = pref_overrides(args)
     d = prefs.to_dict()
+    now = _decide_now(prefs, args.data_dir)
     if args.json:
-        print(json.dumps(d, indent=1))
+        print(json.dumps(d | {"now": now}, indent=1))
         return 0
     print(f"# {args.data_dir / PREFS_FILE} [prefs], flags overriding (0 or empty: no limit)")
     for k, v in d.items():
         print(f"{k:24} {json.dumps(v)}{'   (flag)' if k in given else ''}")
+    print(f"# now: {'would compute' if now['run'] else 'would pause: ' + now['reason']} "
+          f"(readings: {', '.join(f'{k} {v}' for k, v in now['readings'].items())})")
     return 0
+
+
+def _decide_now(prefs: Prefs, data_dir: Path) -> dict[str, Any]:
+    """What the policy says on this machine now (two readings a second apart: a CPU share needs two)."""
+    import dataclasses
+    import time
+
+    from .pausing import TRANSFER_FILE, local_now
+    from .prefs import PrefsPolicy, TransferMeter
+    from .sysread import SystemReader
+
+    try:
+        meter = TransferMeter(json.loads((data_dir / TRANSFER_FILE).read_text()))
+    except (OSError, ValueError, AttributeError):
+        meter = TransferMeter()
+    reader, policy = SystemReader(), PrefsPolicy(prefs)
+    reader.read()
+    time.sleep(1.0)
+    t = local_now()
+    readings = reader.read(*meter.totals(t))
+    policy.observe(readings, t.timestamp())
+    d = policy.decide(readings, t)
+    return {"run": d.run, "code": d.code, "reason": d.reason, "readings": dataclasses.asdict(readings)}
