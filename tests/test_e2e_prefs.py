@@ -2,17 +2,28 @@
 reopen. Its tasks go back to the hub within their deadlines, it loses no reputation, activation
 works without it while it is paused, it resumes by itself, and the ledger counts every task once.
 A third node's memory cap is below the model's need: it refuses it with both numbers and the hub
-sees it paused for that reason."""
+sees it paused for that reason. A fourth runs out of memory in its first task: it stays up, goes
+on with a smaller batch and finishes its later tasks with it."""
 
 from __future__ import annotations
 
+import json
 import time
 from datetime import datetime
 from pathlib import Path
 from typing import Any
 
 import pytest
-from hostile_node import assert_run_ok, logs, peer_of, query, small_cfg, wait_until
+from hostile_node import (
+    LOWMEM_ROWS,
+    assert_run_ok,
+    logs,
+    peer_of,
+    query,
+    small_cfg,
+    start_hostile,
+    wait_until,
+)
 
 from echo2.bench.swarm import LocalSwarm
 
@@ -49,6 +60,7 @@ def test_hours_window_closes_and_reopens(tmp_path: Path) -> None:
         swarm.start_node(0)
         swarm.start_node(1)
         swarm.start_node(2, ["--max-memory-MiB", "1"])  # a cap below what the model needs
+        start_hostile(swarm, 3, "lowmem")  # an honest node on a machine that holds 2 samples at once
         wait_until(lambda: (tmp_path / "node0" / "node.key").exists() and (tmp_path / "node2" / "node.key").exists(), 90,
                    "nodes started")
         victim, small = peer_of(tmp_path / "node0"), peer_of(tmp_path / "node2")
@@ -91,6 +103,14 @@ def test_hours_window_closes_and_reopens(tmp_path: Path) -> None:
         assert_run_ok(st, steps, tmp_path)
     assert st is not None
     assert node_row(st, small).get("tasks_done") == 0
+    # the node that ran out of memory stayed up, lowered its batch and finished later tasks with it
+    lowmem = peer_of(tmp_path / "node3")
+    calls = json.loads((tmp_path / "node3" / "hostile.json").read_text())["calls"]
+    first_oom = next(i for i, c in enumerate(calls) if c[2])
+    later = [c for c in calls if c[0] != calls[first_oom][0] and calls.index(c) > first_oom]
+    assert later and all(not oom and n <= LOWMEM_ROWS for _, n, oom in later), calls
+    accepted = {r[0] for r in query(tmp_path, "SELECT task_id FROM results WHERE node = ? AND accepted = 1", (lowmem,))}
+    assert calls[first_oom][0] in accepted and {c[0] for c in later} & accepted, (calls, accepted)
     # handed back within the deadline: by the node (its running task, or one that reached it
     # paused) or by the hub (tasks waiting in its mailbox), none left to expire
     tasks = query(tmp_path, "SELECT task_id, status, deadline, closed_at FROM tasks WHERE node = ?", (victim,))
@@ -117,6 +137,7 @@ def test_hours_window_closes_and_reopens(tmp_path: Path) -> None:
             paused_s = t_open - t_paused  # at least this long unavailable, as the hub saw it
             assert active_s <= (saved_at - first) - paused_s + 2.0, (active_s, saved_at - first, paused_s)
     print(f"memory-capped node: {capped['paused']}")
+    print(f"low-memory node: samples per call {[n for _, n, _ in calls[:8]]}..., {len(accepted)} results accepted")
     print(f"paused {t_open - t_close:.1f}s, hub saw the pause after {t_paused - t_close:.2f}s, "
           f"resumed work {t_resumed - t_open:.2f}s after the window reopened; handed back {len(handed_back)} "
           f"task(s); statuses {sorted(set(statuses))}; reputation {rep_before} -> {node_row(st, victim)['reputation']}")
