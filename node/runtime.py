@@ -69,7 +69,7 @@ from .delivery import deliver_until
 from .generate import generate_bounded
 from .hardware import probe
 from .pausing import Pauser
-from .prefs import Prefs, threads_for
+from .prefs import Prefs, PrefsError, threads_for
 from .relay_runtime import RelayConfig, RelayNode
 from .tasks import TaskRefused, open_task
 from .versions import HeldVersion
@@ -624,7 +624,11 @@ class Node:
 
 def run_node(cfg: NodeConfig) -> int:
     os.umask(0o077)  # identity and state: the volunteer's only
-    node = Node(cfg)
+    try:
+        node = Node(cfg)
+    except PrefsError as exc:  # node.toml names or values a preference wrongly: say which, do not start
+        log.error("%s", exc)
+        return 2
 
     async def main() -> int:
         return await node.run()
