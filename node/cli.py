@@ -70,7 +70,7 @@ def _run(args: argparse.Namespace) -> int:
         max_tasks=args.max_tasks,
         memory_budget_MiB=args.memory_budget_MiB,
         model_hub_offline=not args.allow_model_hub,
-        prefs=pref_overrides(args),
+        prefs=pref_overrides(args, args.data_dir),
     )
     return run_node(cfg)
 

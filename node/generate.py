@@ -47,8 +47,21 @@ def generate_bounded(
     engine: Any, task: Task, batch_rows: int, should_stop: Callable[[], bool] | None = None
 ) -> tuple[list[Completion], int]:
     """(the task's completions, in prompt order; the batch size that worked, ≤ ``batch_rows``).
-    ``should_stop`` is asked before each engine call (and by an engine with an ``interrupt``
-    hook, between tokens): True raises :class:`Interrupted`."""
+    ``should_stop`` is asked before each engine call and, by an engine with an ``interrupt`` hook
+    (transformers), between tokens: True raises :class:`Interrupted`. The hook is set for this
+    call only: a version's throughput measurement must not fail because the node is paused."""
+    if should_stop is None or not hasattr(engine, "interrupt"):
+        return _generate_bounded(engine, task, batch_rows, should_stop)
+    engine.interrupt = should_stop
+    try:
+        return _generate_bounded(engine, task, batch_rows, should_stop)
+    finally:
+        engine.interrupt = None
+
+
+def _generate_bounded(
+    engine: Any, task: Task, batch_rows: int, should_stop: Callable[[], bool] | None
+) -> tuple[list[Completion], int]:
     prompts = [list(p) for p in task.prompts]
     if not prompts:
         raise EngineError("no prompts")  # else the loop below would answer an empty result

@@ -14,7 +14,7 @@ from __future__ import annotations
 import json
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from datetime import datetime
 from pathlib import Path
 from typing import Any, Protocol
@@ -118,20 +118,38 @@ class Pauser:
 
     async def wait_running(self) -> None:
         while not self.current.run:
-            ev = self._running
-            await ev.wait()
+            self._apply()  # a block set from a worker thread takes effect here at the latest
+            await self._running.wait()
 
     async def wait_relay(self, allowed: bool) -> None:
         """Until relaying is ``allowed`` (True) or stopped (False) by the preferences."""
         while self.current.relay != allowed:
             await self._relay_changed.wait()
 
+    async def while_relaying(self, run: Callable[..., Awaitable[None]], task_status: Any) -> None:
+        """Run the policy downlink ``run`` (started with a task status) while relaying is allowed;
+        cancel it when the preferences stop relaying (a transfer cap, or relay_while_paused =
+        false while computing is paused) and start it again after: its children route around it."""
+        started = False
+        while True:
+            async with trio.open_nursery() as nursery:
+                await nursery.start(run)
+                if not started:
+                    task_status.started()
+                    started = True
+                await self.wait_relay(False)
+                nursery.cancel_scope.cancel()
+            log.warning("relaying stopped: %s", self.current.reason)
+            await self.wait_relay(True)
+            log.info("relaying again")
+
     def count_bytes(self, n: int) -> None:
         self.meter.add(n, self.clock())
 
     def set_block(self, code: str, reason: str) -> None:
+        """Pause for a reason of the node's own (a refused model). May be called from a worker
+        thread: one assignment; the loop applies it (and tells the hub) at its next reading."""
         self.block = Decision(False, code, reason, relay=True)
-        self._apply()
 
     def clear_block(self) -> None:
         if self.block is not None:

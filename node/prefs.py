@@ -20,7 +20,7 @@ from typing import Any
 
 __all__ = [
     "DAYS", "Decision", "Prefs", "PrefsError", "Readings", "PrefsPolicy", "TransferMeter",
-    "load_prefs", "merge_prefs", "parse_days", "parse_hours", "threads_for",
+    "load_prefs", "memory_cap_MiB", "merge_prefs", "parse_days", "parse_hours", "threads_for",
 ]
 
 DAYS = ("mon", "tue", "wed", "thu", "fri", "sat", "sun")
@@ -257,6 +257,15 @@ def threads_for(prefs: Prefs, cores: int, explicit: int = 0) -> int:
     if explicit and share:
         return min(explicit, share)
     return explicit or share
+
+
+def memory_cap_MiB(prefs: Prefs, configured_MiB: int = 0, accelerator_bytes: int = 0) -> int:
+    """The tightest memory cap in MiB (0 = none): --memory-budget-MiB, max_memory_MiB, and on an
+    accelerator the share of its memory gpu_memory_fraction gives the engine."""
+    caps = [c for c in (configured_MiB, prefs.max_memory_MiB) if c > 0]
+    if accelerator_bytes and prefs.gpu_memory_fraction:
+        caps.append(int(accelerator_bytes * prefs.gpu_memory_fraction) // 1024**2)
+    return min(caps, default=0)
 
 
 # --- the file and the flags ------------------------------------------------------------------------

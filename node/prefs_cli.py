@@ -38,11 +38,16 @@ def add_pref_flags(parser: argparse.ArgumentParser) -> None:
                        default=None, help=text)
 
 
-def pref_overrides(args: argparse.Namespace) -> dict[str, Any]:
-    """The preferences given as flags (field -> value), checked: a bad value stops the start."""
+def pref_overrides(args: argparse.Namespace, data_dir: Path | None = None) -> dict[str, Any]:
+    """The preferences given as flags (field -> value), checked with ``data_dir``'s node.toml when
+    given: a bad value, in either, stops the start with its name."""
     out = {k.removeprefix("pref_"): v for k, v in vars(args).items() if k.startswith("pref_") and v is not None}
     try:
         Prefs(**out)
+        if data_dir is not None:
+            from .pausing import effective_prefs
+
+            effective_prefs(data_dir, out)
     except PrefsError as exc:
         raise SystemExit(f"bad preference: {exc}") from None
     return out

@@ -53,23 +53,14 @@ from echo2.protocol.wire import (
     WORK_POLL_S,
 )
 
-from .budget import (
-    Budget,
-    Footprint,
-    ModelTooLarge,
-    TaskTooLarge,
-    check_model,
-    footprint,
-    memory_budget,
-    plan_task,
-)
+from .budget import Budget, Footprint, TaskTooLarge, check_model, footprint, memory_budget, plan_task
 from .chunkstore import ChunkStore
 from .config import NodeConfig, NodeStats, hub_peer_id
 from .delivery import deliver_until
 from .generate import generate_bounded
 from .hardware import probe
 from .pausing import Pauser
-from .prefs import Prefs, PrefsError, threads_for
+from .prefs import Prefs, memory_cap_MiB, threads_for
 from .relay_runtime import RelayConfig, RelayNode
 from .tasks import TaskRefused, open_task
 from .versions import HeldVersion
@@ -291,17 +282,10 @@ class Node:
         """Policy versions arrive through the relay runtime: chunks from the hub or from parent
         peers (star or pipelined, as the hub plans), verified against the signed manifest,
         stored crash-safely, forwarded to this node's children; complete versions get loaded.
-        It stops while the preferences stop relaying (a transfer cap, or relay_while_paused =
-        false while computing is paused) and starts again after; children route around it."""
-        started = False
-        while True:
-            await self._run_relay(task_status if not started else trio.TASK_STATUS_IGNORED)
-            started = True
-            log.warning("relaying stopped: %s", self.pauser.current.reason)
-            await self.pauser.wait_relay(True)
-            log.info("relaying again")
+        Stopped while the preferences stop relaying (see Pauser.while_relaying)."""
+        await self.pauser.while_relaying(self._run_relay, task_status)
 
-    async def _run_relay(self, task_status: Any) -> None:
+    async def _run_relay(self, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
         relay = self.relay_cls(
             self.identity,
             self.store,
@@ -320,8 +304,6 @@ class Node:
         async with trio.open_nursery() as nursery:
             await nursery.start(relay.run)
             task_status.started()
-            await self.pauser.wait_relay(False)
-            nursery.cancel_scope.cancel()
 
     async def _on_relay_holds(self, info: Any) -> None:
         try:
@@ -389,13 +371,7 @@ class Node:
         t0 = time.monotonic()
         config_changed = self.held is None or self.held.manifest.model_config != m.model_config
         # sized before anything of it is allocated: a model over the budget is refused (ModelTooLarge)
-        try:
-            fp = await trio.to_thread.run_sync(self._check_fit, m.model_config) if config_changed else self._footprint
-        except ModelTooLarge as exc:
-            # it does not fit the memory this node's preferences allow: unavailable (told to the
-            # hub, with both numbers) until a version that fits arrives
-            self.pauser.set_block(exc.code, exc.message)
-            raise
+        fp = await trio.to_thread.run_sync(self._check_fit, m.model_config) if config_changed else self._footprint
         sd = await trio.to_thread.run_sync(statedict.assemble, m, held.raw_chunks)
         async with self._engine_lock:
             await trio.to_thread.run_sync(self._engine.load_version, m.version, m.model_config, dict(m.artifacts), sd)
@@ -420,11 +396,9 @@ class Node:
         if self._mem_budget is None:
             eng = self._engine
             on_acc = getattr(eng, "name", "") == "vllm" or str(getattr(eng, "device", "")).startswith("cuda")
-            prefs, hw = self.pauser.prefs, probe(self.cfg.data_dir)
-            caps = [c for c in (self.cfg.memory_budget_MiB, prefs.max_memory_MiB) if c > 0]
-            if on_acc and prefs.gpu_memory_fraction and hw.accelerator_memory_bytes:
-                caps.append(int(hw.accelerator_memory_bytes * prefs.gpu_memory_fraction) // 1024**2)  # the share vLLM gets
-            self._mem_budget = memory_budget(hw, configured_MiB=min(caps, default=0), on_accelerator=on_acc)
+            hw = probe(self.cfg.data_dir)
+            cap = memory_cap_MiB(self.pauser.prefs, self.cfg.memory_budget_MiB, hw.accelerator_memory_bytes if on_acc else 0)
+            self._mem_budget = memory_budget(hw, configured_MiB=cap, on_accelerator=on_acc)
         return self._mem_budget
 
     def _prefs_changed(self, prefs: Prefs) -> None:
@@ -446,6 +420,9 @@ class Node:
             check_model(fp, self._budget())
         except Echo2Error as exc:
             log.error("refusing the hub's model: %s", exc.message)
+            # e.g. over the memory the preferences allow: unavailable (the hub is told, with both
+            # numbers) until a version that fits arrives
+            self.pauser.set_block(exc.code, exc.message)
             raise
         atomic_write(self.cfg.data_dir / "model_config.json", model_config, durable=False)  # for `node doctor`
         log.info("model fits: %.1f M parameters (%s) in a memory budget of %s", fp.params / 1e6, dtype, self._budget())
@@ -567,14 +544,8 @@ class Node:
             declined: tuple[str, str] | None = None
             try:
                 batch_rows = self._plan(task)
-                # a node paused by its preferences stops between tokens (only in tasks: a version's
-                # throughput measurement must not fail because the node is paused)
-                self._engine.interrupt = self.pauser.should_stop
-                try:
-                    completions, worked = await trio.to_thread.run_sync(generate_bounded, self._engine, task, batch_rows,
-                                                                        self.pauser.should_stop)
-                finally:
-                    self._engine.interrupt = None
+                completions, worked = await trio.to_thread.run_sync(generate_bounded, self._engine, task, batch_rows,
+                                                                    self.pauser.should_stop)
                 if worked < batch_rows:
                     self._rows_cap = worked  # what ran out of memory once is not tried again
             except Interrupted:  # the preferences paused the node: the task goes back to the hub now
@@ -624,11 +595,7 @@ class Node:
 
 def run_node(cfg: NodeConfig) -> int:
     os.umask(0o077)  # identity and state: the volunteer's only
-    try:
-        node = Node(cfg)
-    except PrefsError as exc:  # node.toml names or values a preference wrongly: say which, do not start
-        log.error("%s", exc)
-        return 2
+    node = Node(cfg)
 
     async def main() -> int:
         return await node.run()
