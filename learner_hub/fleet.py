@@ -49,6 +49,8 @@ class NodeInfo:
     rollouts: int = 0
     tokens: int = 0
     refused: int = 0
+    # why the node paused computing by its owner's preferences ("" = available); see set_paused
+    paused: str = ""
 
 
 class TrainingFigures(Protocol):
@@ -196,6 +198,23 @@ class Fleet:
         v = self.links.view(peer, data_addr, a.max_upload_MBps * 1e6, self.nodes)
         return PeerInfo(v.data_addr, v.upload_Bps, v.reachable)
 
+    def set_paused(self, peer: str, paused: bool, reason: str, now: float) -> None:
+        """A node paused (or resumed) computing by its owner's preferences (issue 19): it is
+        unavailable, not failing. No reputation event; activation leaves it out (so the ledger
+        stops billing it and others are chosen in its place) until it resumes. Its keepalive."""
+        node = self.nodes.get(peer)
+        if node is None:
+            return
+        node.last_seen = now
+        was = node.paused
+        node.paused = (reason or "paused") if paused else ""
+        if bool(was) != paused:
+            log.info("node %s %s", peer, f"paused computing: {node.paused}" if paused else "resumed computing")
+            self.changed = True
+            self.activate()
+            if paused:
+                self.store.submit(HubStore.set_node_state, peer, "paused")
+
     def drop_silent(self, now: float, silence_s: float) -> list[str]:
         """Nodes not heard from for ``silence_s``: forgotten (the caller reassigns their tasks)."""
         gone = [p for p, n in self.nodes.items() if now - n.last_seen > silence_s]
@@ -289,12 +308,13 @@ class Fleet:
         current paid set unless the new optimum is clearly cheaper (hysteresis)."""
         t_train = self.t_train() if t_train is None else t_train
         trained = self.trained() if trained is None else trained
-        if self.cfg.activation == "all" or not trained or not self.nodes:
-            new = set(self.nodes)
+        available = {p for p, n in self.nodes.items() if not n.paused}  # a paused node is unavailable
+        if self.cfg.activation == "all" or not trained or not available:
+            new = available
         else:
             need = self.cfg.activation_margin * self.cfg.prompts_per_step * self.cfg.group_size / max(t_train, 1e-6)
             # hub-measured rates only: a node the hub has not timed yet works on probation
-            measured = {p: self.dispatcher.measured_rate(p) for p in self.nodes if p in self.dispatcher.nodes}
+            measured = {p: self.dispatcher.measured_rate(p) for p in available if p in self.dispatcher.nodes}
             probation = {p for p, r in measured.items() if r is None}
             offers = [NodeOffer(p, self.prices.offered(p), r) for p, r in measured.items() if r is not None]
             free = {o.node_id for o in offers if o.price == 0}

@@ -24,7 +24,7 @@ import trio
 from echo2.keyfile import load_or_create_identity
 from echo2.looplag import LoopLag
 from echo2.protocol import envelope
-from echo2.protocol.errors import MeaningError, NotAdmitted
+from echo2.protocol.errors import Echo2Error, MeaningError, NotAdmitted
 from echo2.protocol.messages import (
     AdmissionDecision,
     AdmissionRequest,
@@ -32,9 +32,11 @@ from echo2.protocol.messages import (
     ErrorReply,
     Heartbeat,
     HoldsVersion,
+    NodePause,
     Receipt,
     RelayReport,
     Result,
+    Task,
     TaskDecline,
 )
 from echo2.protocol.net.control import ControlHost, address_key, remote_ip
@@ -188,6 +190,8 @@ class Hub:
         envelope.open_envelope(data, Heartbeat, replay=self.replay, allowed=self._signed_by(peer))
         node = self.nodes[peer]
         node.last_seen = time.time()
+        if node.paused:  # asking for work again is resuming (e.g. a node restarted while paused)
+            self.fleet.set_paused(peer, False, "", node.last_seen)
         # versions_held is informational: after a hub restart a node may hold versions of the
         # crashed run under the same numbers, so only HoldsVersion for versions this hub process
         # sent counts (see on_holds).
@@ -289,6 +293,27 @@ class Hub:
         d = envelope.open_envelope(data, TaskDecline, replay=self.replay, allowed=self._signed_by(peer)).message
         if self.intake.decline(d.task_id, peer, d.reason):
             self.store.submit(HubStore.close_task, d.task_id, f"declined:{d.reason_code}", time.time())
+        self._pump()
+        return envelope.seal(self.identity, ErrorReply(code="ok", message="noted"))
+
+    async def on_pause(self, peer: str, data: bytes) -> bytes:
+        """A node pauses (or resumes) computing by its owner's preferences: unavailable, not
+        failed. Tasks waiting in its mailbox go back to the queue as declined (the node declines
+        the ones it already holds itself); no reputation event, no billing while paused."""
+        p = envelope.open_envelope(data, NodePause, replay=self.replay, allowed=self._signed_by(peer)).message
+        if p.peer_id != peer:
+            raise MeaningError("pause message names another node")
+        now = time.time()
+        node = self.nodes[peer]
+        self.fleet.set_paused(peer, p.paused, f"{p.reason_code}: {p.reason}" if p.paused else "", now)
+        if p.paused:
+            while node.mailbox:  # our own signed tasks, never delivered
+                try:
+                    task = envelope.open_envelope(node.mailbox.popleft(), Task, replay=None).message
+                except Echo2Error:
+                    continue  # past its envelope's expiry, so past its deadline: expiry reassigns it
+                if self.intake.decline(task.task_id, peer, f"paused: {p.reason}"):
+                    self.store.submit(HubStore.close_task, task.task_id, "declined:paused", now)
         self._pump()
         return envelope.seal(self.identity, ErrorReply(code="ok", message="noted"))
 

@@ -56,7 +56,8 @@ def hub_status(hub: Hub) -> dict[str, Any]:
                 "refused": n.refused,
                 "price_usd_per_hour": n.announce.price_usd_per_hour,
                 "reputation": round(fleet.reputation.score(n.peer_id), 4),
-                "state": "active" if fleet.active is None or n.peer_id in fleet.active else "standby",
+                "state": "paused" if n.paused else "active" if fleet.active is None or n.peer_id in fleet.active else "standby",
+                "paused": n.paused,
                 "cost_usd": _cost(hub.ledger.row(n.peer_id, now)),
             }
             for n in fleet.nodes.values()

@@ -21,6 +21,7 @@ from echo2.protocol.wire import (
     HOLDS,
     MAX_CONTROL_REQUEST,
     MAX_RESULT,
+    PAUSE,
     REPORT,
     RESULT,
     WORK,
@@ -46,7 +47,8 @@ async def serve(hub: Hub) -> int:
         host.is_trusted = lambda pid: pid in hub.nodes and pid not in hub.fleet.banned  # strangers: small budgets (A1)
         for proto, handler, size in ((ADMISSION, hub.on_admission, MAX_CONTROL_REQUEST), (WORK, hub.on_work, MAX_CONTROL_REQUEST),
                                      (RESULT, hub.on_result, MAX_RESULT), (DECLINE, hub.on_decline, MAX_CONTROL_REQUEST),
-                                     (HOLDS, hub.on_holds, MAX_CONTROL_REQUEST), (REPORT, hub.on_relay_report, MAX_CONTROL_REQUEST)):
+                                     (HOLDS, hub.on_holds, MAX_CONTROL_REQUEST), (REPORT, hub.on_relay_report, MAX_CONTROL_REQUEST),
+                                     (PAUSE, hub.on_pause, MAX_CONTROL_REQUEST)):
             host.set_handler(proto, handler, max_request=size)
         await host.subscribe(ANNOUNCE_TOPIC, hub.on_announce)
         async with trio.open_nursery() as nursery:

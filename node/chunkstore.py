@@ -182,11 +182,11 @@ class ChunkStore:
             raise ChunkMismatch(f"version {manifest.version}: damaged chunks {bad[:8]} removed; fetch them again")
         return out
 
-    def gc(self, protect: Iterable[int] = ()) -> int:
-        """Keep the newest ``keep`` versions (and ``protect``); remove other manifests and every
-        chunk no kept version references. Returns the number of chunk files removed."""
+    def gc(self, protect: Iterable[int] = (), keep: int | None = None) -> int:
+        """Keep the newest ``keep`` versions (default: the store's) and ``protect``; remove other
+        manifests and every chunk no kept version references. Returns the chunk files removed."""
         versions = self.versions()
-        kept = set(versions[-self.keep :]) | set(protect)
+        kept = set(versions[-(keep or self.keep) :]) | set(protect)
         for v in versions:
             if v not in kept:
                 for suffix in (".manifest", ".hashes"):

@@ -8,11 +8,13 @@ import os
 import time
 from pathlib import Path
 
+from .prefs_cli import add_pref_flags, pref_overrides, register_prefs
+
 DEFAULT_DIR = Path.home() / ".echo2" / "node"
 
 
 def register(parser: argparse.ArgumentParser) -> None:
-    sub = parser.add_subparsers(dest="node_cmd", metavar="{run,status,receipts,doctor}")
+    sub = parser.add_subparsers(dest="node_cmd", metavar="{run,status,receipts,doctor,prefs}")
     sub.required = True
     run = sub.add_parser("run", help="join a hub and produce rollouts", description="join a hub and produce rollouts")
     where = run.add_mutually_exclusive_group(required=True)
@@ -39,6 +41,7 @@ def register(parser: argparse.ArgumentParser) -> None:
     run.add_argument("--json", action="store_true", dest="json_events",
                      help="progress as JSON events on stdout, one per line (for machines)")
     run.add_argument("--max-tasks", type=int, default=0, help=argparse.SUPPRESS)
+    add_pref_flags(run)
     run.set_defaults(func=_run)
     st = sub.add_parser("status", help="what the running node is doing", description="what the running node is doing")
     st.add_argument("--data-dir", type=Path, default=DEFAULT_DIR)
@@ -54,6 +57,7 @@ def register(parser: argparse.ArgumentParser) -> None:
     from .doctor import register_doctor
 
     register_doctor(sub)
+    register_prefs(sub, DEFAULT_DIR)
 
 
 def _run(args: argparse.Namespace) -> int:
@@ -89,6 +93,7 @@ def _run(args: argparse.Namespace) -> int:
         memory_budget_MiB=args.memory_budget_MiB,
         model_hub_offline=not args.allow_model_hub,
         json_events=args.json_events,
+        prefs=pref_overrides(args, args.data_dir),
     )
     return run_node(cfg)
 
@@ -109,7 +114,7 @@ def _status(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(state | {"receipts": receipts}, indent=1))
         return 0
-    for key in ("peer_id", "hub", "admitted", "admission_reason", "version", "tasks_done", "tasks_declined",
+    for key in ("peer_id", "hub", "admitted", "admission_reason", "paused", "pause_reason", "version", "tasks_done", "tasks_declined",
                 "results_refused", "tokens", "price_usd_per_hour", "estimated_earnings_usd", "state_age_s"):
         print(f"{key:24} {state.get(key)}")
     print(render(receipts))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 __all__ = ["NodeConfig", "NodeStats", "hub_peer_id"]
 
@@ -25,6 +26,8 @@ class NodeConfig:
     # transformers and huggingface_hub never touch the network (False: the operator allows it)
     model_hub_offline: bool = True
     json_events: bool = False  # progress as JSON lines on stdout (`node run --json`), not log lines
+    # computing preferences given as flags (prefs.Prefs field -> value); they override DATA_DIR/node.toml
+    prefs: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass

@@ -14,9 +14,10 @@ from __future__ import annotations
 import dataclasses
 import gc
 import logging
+from collections.abc import Callable
 from typing import Any
 
-from echo2.models.engine_api import EngineError, is_out_of_memory
+from echo2.models.engine_api import EngineError, Interrupted, is_out_of_memory
 from echo2.protocol.messages import Completion, Task
 
 from .budget import OutOfMemory
@@ -42,8 +43,25 @@ def _release_memory() -> None:
         log.debug("could not release accelerator memory: %r", exc)
 
 
-def generate_bounded(engine: Any, task: Task, batch_rows: int) -> tuple[list[Completion], int]:
-    """(the task's completions, in prompt order; the batch size that worked, ≤ ``batch_rows``)."""
+def generate_bounded(
+    engine: Any, task: Task, batch_rows: int, should_stop: Callable[[], bool] | None = None
+) -> tuple[list[Completion], int]:
+    """(the task's completions, in prompt order; the batch size that worked, ≤ ``batch_rows``).
+    ``should_stop`` is asked before each engine call and, by an engine with an ``interrupt`` hook
+    (transformers), between tokens: True raises :class:`Interrupted`. The hook is set for this
+    call only: a version's throughput measurement must not fail because the node is paused."""
+    if should_stop is None or not hasattr(engine, "interrupt"):
+        return _generate_bounded(engine, task, batch_rows, should_stop)
+    engine.interrupt = should_stop
+    try:
+        return _generate_bounded(engine, task, batch_rows, should_stop)
+    finally:
+        engine.interrupt = None
+
+
+def _generate_bounded(
+    engine: Any, task: Task, batch_rows: int, should_stop: Callable[[], bool] | None
+) -> tuple[list[Completion], int]:
     prompts = [list(p) for p in task.prompts]
     if not prompts:
         raise EngineError("no prompts")  # else the loop below would answer an empty result
@@ -56,6 +74,8 @@ def generate_bounded(engine: Any, task: Task, batch_rows: int) -> tuple[list[Com
             n, k = min(batch_rows // g, len(prompts) - p), g
         else:
             n, k = 1, min(batch_rows, g - done_in_p)
+        if should_stop is not None and should_stop():
+            raise Interrupted(f"task {task.task_id} stopped after {len(out)} of {len(prompts) * g} samples")
         oom = ""
         try:
             got = engine.generate(

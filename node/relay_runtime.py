@@ -167,6 +167,7 @@ class RelayNode:
         )
         self._nursery: trio.Nursery | None = None
         self.holds_event = trio.Event()
+        self.bytes_in = self.bytes_out = 0  # chunk bytes received and sent, all versions
 
     @property
     def data_addr(self) -> str:
@@ -268,6 +269,7 @@ class RelayNode:
                 self._spawn(_await, res)
 
     def _on_sent(self, version: int, n: int) -> None:
+        self.bytes_out += n  # every version, for the node's transfer caps
         b = self.bc
         if b is not None and b.version == version:
             b.bytes_sent += n
@@ -326,7 +328,14 @@ class RelayNode:
         missing = set(await trio.to_thread.run_sync(self.store.missing, m))
         free = (await trio.to_thread.run_sync(shutil.disk_usage, self.store.root)).free
         missing_bytes = sum(m.chunks[i].raw_size for i in missing)
-        refusal = budget_refusal(m, self.cfg, missing_bytes=missing_bytes, free_disk=free)
+        stored = 0
+        if self.cfg.max_disk_bytes:
+            # a disk cap: versions beyond the one held go first (they are only kept for deltas)
+            if await trio.to_thread.run_sync(self.store.stored_bytes) + missing_bytes > self.cfg.max_disk_bytes:
+                held_v = [self.held.version] if self.held is not None else []
+                await trio.to_thread.run_sync(lambda: self.store.gc(protect=held_v, keep=1))
+            stored = await trio.to_thread.run_sync(self.store.stored_bytes)
+        refusal = budget_refusal(m, self.cfg, missing_bytes=missing_bytes, free_disk=free, stored_bytes=stored)
         if refusal is not None:
             log.warning("manifest v%d refused: %s", m.version, refusal)
             return
@@ -371,6 +380,7 @@ class RelayNode:
 
     async def _on_chunk(self, peer: str, payload: bytes | bytearray) -> None:
         cf = unpack_chunk_frame(payload)
+        self.bytes_in += len(payload)
         b = self.bc
         if b is None or cf.version > b.version:
             if self.held is None or cf.version > self.held.version:

@@ -27,6 +27,7 @@ class RelayConfig:
     # raw chunks and the assembled buffer when it is loaded).
     max_memory_bytes: int = 0
     disk_reserve_bytes: int = 256 * 1024**2  # left free on the store's disk
+    max_disk_bytes: int = 0  # what the chunk store may hold (the volunteer's disk cap; 0 = none)
 
 
 @dataclass
@@ -130,7 +131,7 @@ def memory_budget(cfg: RelayConfig) -> int:
         return 8 * 1024**3
 
 
-def budget_refusal(m: Manifest, cfg: RelayConfig, *, missing_bytes: int, free_disk: int) -> str | None:
+def budget_refusal(m: Manifest, cfg: RelayConfig, *, missing_bytes: int, free_disk: int, stored_bytes: int = 0) -> str | None:
     """Why this node cannot take version ``m`` (its sizes against the memory and disk budget),
     or None. Checked before anything of the version is allocated: a manifest's sizes are claims."""
     mem = memory_budget(cfg)
@@ -138,4 +139,7 @@ def budget_refusal(m: Manifest, cfg: RelayConfig, *, missing_bytes: int, free_di
         return f"{m.total_bytes} bytes need about {2 * m.total_bytes} of memory; the budget is {mem}"
     if missing_bytes > free_disk - cfg.disk_reserve_bytes:
         return f"{missing_bytes} bytes to store; {free_disk} free on disk, {cfg.disk_reserve_bytes} kept free"
+    if cfg.max_disk_bytes and stored_bytes + missing_bytes > cfg.max_disk_bytes:
+        return (f"{missing_bytes} bytes to store beside the {stored_bytes} the chunk store holds: over its disk cap "
+                f"of {cfg.max_disk_bytes} bytes")
     return None

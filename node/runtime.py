@@ -22,7 +22,7 @@ from echo2.fsutil import atomic_write
 from echo2.keyfile import load_or_create_identity
 from echo2.looplag import LoopLag
 from echo2.models import statedict
-from echo2.models.engine_api import is_out_of_memory
+from echo2.models.engine_api import Interrupted, is_out_of_memory
 from echo2.models.offline import model_hub_offline
 from echo2.protocol import envelope
 from echo2.protocol.backoff import Backoff
@@ -60,6 +60,8 @@ from .config import NodeConfig, NodeStats, hub_peer_id
 from .delivery import deliver_until
 from .generate import generate_bounded
 from .hardware import probe
+from .pausing import Pauser
+from .prefs import Prefs, memory_cap_MiB, threads_for
 from .progress import NodeSteps, Progress
 from .receipts import ReceiptBook
 from .relay_runtime import RelayConfig, RelayNode
@@ -115,6 +117,11 @@ class Node:
         self._mem_budget: Budget | None = None
         self._footprint: Footprint | None = None
         self._rows_cap = 0
+        # computing preferences (issue 19): when the node may compute, and how much of the machine
+        self.pauser = Pauser(self.identity, self.hub_peer, cfg.data_dir, cfg.prefs)
+        self.pauser.on_prefs_changed = self._prefs_changed
+        self.pauser.on_change = self._write_state
+        self.pauser.relay_bytes = lambda: (self.relay.bytes_in + self.relay.bytes_out) if self.relay is not None else 0
 
     @property
     def peer_id(self) -> str:
@@ -163,6 +170,7 @@ class Node:
             "tasks_declined": self.stats.tasks_declined,
             "results_refused": self.stats.results_refused,
             "tokens": self.stats.tokens,
+            **self.pauser.status(),
             "price_usd_per_hour": self.cfg.price_usd_per_hour,
             "uptime_s": round(time.time() - self._started, 1),
             "addrs": self._addrs,
@@ -177,8 +185,12 @@ class Node:
         model_hub_offline(self.cfg.model_hub_offline)  # before the engine can import transformers
         trio.lowlevel.spawn_system_task(self.progress.run)  # ends with the run
         self.steps.engine(self.cfg.engine)
+        prefs = self.pauser.prefs
+        threads = threads_for(prefs, probe(self.cfg.data_dir).cpu_cores, self.cfg.threads)
         # in a thread: importing torch took seconds here, and the progress watcher must keep talking
-        self._engine = await trio.to_thread.run_sync(_select_engine, self.cfg.engine, self.cfg.threads)
+        self._engine = await trio.to_thread.run_sync(_select_engine, self.cfg.engine, threads)
+        if prefs.gpu_memory_fraction and hasattr(self._engine, "gpu_memory_utilization"):
+            self._engine.gpu_memory_utilization = prefs.gpu_memory_fraction  # read when vLLM is built
         log.info("node %s starting (engine %s, hub %s)", self.peer_id, self._engine.name, self.hub_peer)
         async with ControlHost(self.identity, listen_port=self.cfg.listen_port, listen_host=self.cfg.listen_host) as host:
             host.is_trusted = lambda peer: peer == self.hub_peer  # anyone else gets a stranger's small budget
@@ -193,6 +205,7 @@ class Node:
                 nursery.start_soon(self._heartbeat, host)
                 nursery.start_soon(self._worker, host, nursery.cancel_scope)
                 nursery.start_soon(self._watch_signals)
+                nursery.start_soon(self.pauser.run, host)
                 await self._stop.wait()
                 await self._abandon_current(host)
                 nursery.cancel_scope.cancel()
@@ -276,18 +289,24 @@ class Node:
     async def _policy_downlink(self, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
         """Policy versions arrive through the relay runtime: chunks from the hub or from parent
         peers (star or pipelined, as the hub plans), verified against the signed manifest,
-        stored crash-safely, forwarded to this node's children; complete versions get loaded."""
+        stored crash-safely, forwarded to this node's children; complete versions get loaded.
+        Stopped while the preferences stop relaying (see Pauser.while_relaying)."""
+        await self.pauser.while_relaying(self._run_relay, task_status)
+
+    async def _run_relay(self, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
         relay = self.relay_cls(
             self.identity,
             self.store,
             self.hub_peer,
             self._hub_data_addr,
-            RelayConfig(upload_MBps=self.cfg.max_upload_MBps),
+            RelayConfig(upload_MBps=self.cfg.max_upload_MBps, max_disk_bytes=self.pauser.prefs.max_disk_MiB * 1024**2),
             host=self.cfg.listen_host,
             on_holds=self._on_relay_holds,
             on_evidence=self._on_evidence,
             on_same_version=self._on_same_version,
         )
+        if self.relay is not None:
+            relay.held = self.relay.held  # a restarted relay: what is on disk and loaded stays known
         self.relay = relay
         await trio.lowlevel.checkpoint()
         async with trio.open_nursery() as nursery:
@@ -374,6 +393,7 @@ class Node:
                 self.measured["tokens_per_s"], self.measured["rollouts_per_s"] = tp.tokens_per_s, tp.rollouts_per_s
                 log.info("measured %.0f tokens/s, %.1f rollouts/s on version %d", tp.tokens_per_s, tp.rollouts_per_s, m.version)
         self.held = held
+        self.pauser.clear_block()
         self.stats.versions_loaded.append(m.version)
         self.version_changed.set()
         self.version_changed = trio.Event()
@@ -386,9 +406,16 @@ class Node:
         if self._mem_budget is None:
             eng = self._engine
             on_acc = getattr(eng, "name", "") == "vllm" or str(getattr(eng, "device", "")).startswith("cuda")
-            self._mem_budget = memory_budget(probe(self.cfg.data_dir), configured_MiB=self.cfg.memory_budget_MiB,
-                                             on_accelerator=on_acc)
+            hw = probe(self.cfg.data_dir)
+            cap = memory_cap_MiB(self.pauser.prefs, self.cfg.memory_budget_MiB, hw.accelerator_memory_bytes if on_acc else 0)
+            self._mem_budget = memory_budget(hw, configured_MiB=cap, on_accelerator=on_acc)
         return self._mem_budget
+
+    def _prefs_changed(self, prefs: Prefs) -> None:
+        self._mem_budget = None  # the memory cap may have changed: the next model and task use the new one
+        self.pauser.clear_block()  # a model refused under the old cap is tried again with the next version
+        if self.relay is not None:
+            self.relay.cfg.max_disk_bytes = prefs.max_disk_MiB * 1024**2
 
     def _check_fit(self, model_config: str) -> Footprint:
         """The model's sizes, or ModelTooLarge (or ManifestError for a config a node refuses)."""
@@ -403,6 +430,9 @@ class Node:
             check_model(fp, self._budget())
         except Echo2Error as exc:
             log.error("refusing the hub's model: %s", exc.message)
+            # e.g. over the memory the preferences allow: unavailable (the hub is told, with both
+            # numbers) until a version that fits arrives
+            self.pauser.set_block(exc.code, exc.message)
             raise
         atomic_write(self.cfg.data_dir / "model_config.json", model_config, durable=False)  # for `node doctor`
         log.info("model fits: %.1f M parameters (%s) in a memory budget of %s", fp.params / 1e6, dtype, self._budget())
@@ -441,6 +471,7 @@ class Node:
     async def _worker(self, host: ControlHost, scope: trio.CancelScope) -> None:
         backoff = Backoff(base_s=0.5, cap_s=HUB_BACKOFF_CAP_S)
         while True:
+            await self.pauser.wait_running()
             if self.held is None:
                 with trio.move_on_after(1.0):
                     await self.version_changed.wait()
@@ -470,6 +501,7 @@ class Node:
                 await trio.sleep(delay)
                 continue
             backoff.reset()
+            self.pauser.count_bytes(len(resp))
             try:
                 acc = open_task(resp, hub_peer=self.hub_peer, me=self.peer_id,
                                 held_version=self.held.version if self.held else None, replay=self.replay)
@@ -485,6 +517,9 @@ class Node:
                 if acc.reply is not None and acc.reply.code != "no_work":
                     log.info("hub: %s", acc.reply.message)
                     await trio.sleep(0.5)
+                continue
+            if self.pauser.paused:  # paused while the poll was out: handed back at once
+                await self._decline(host, acc.task, "paused", self.pauser.current.reason)
                 continue
             await self._run_task(host, acc.task)
             if self.cfg.max_tasks and self.stats.tasks_done >= self.cfg.max_tasks:
@@ -521,9 +556,12 @@ class Node:
             declined: tuple[str, str] | None = None
             try:
                 batch_rows = self._plan(task)
-                completions, worked = await trio.to_thread.run_sync(generate_bounded, self._engine, task, batch_rows)
+                completions, worked = await trio.to_thread.run_sync(generate_bounded, self._engine, task, batch_rows,
+                                                                    self.pauser.should_stop)
                 if worked < batch_rows:
                     self._rows_cap = worked  # what ran out of memory once is not tried again
+            except Interrupted:  # the preferences paused the node: the task goes back to the hub now
+                declined = ("paused", self.pauser.current.reason or "computing paused")
             except Echo2Error as exc:  # too large for this node, or the engine refused it (limits, vocabulary)
                 declined = (exc.code, exc.message)
             except Exception as exc:  # whatever a task makes the engine do, the node stays up
@@ -550,10 +588,17 @@ class Node:
             gen_seconds=gen_s,
             tokens=tokens,
         )
+
+        def send() -> Any:
+            # sealed afresh for each try (a retry of a request the hub did take must not read as a
+            # replay), and each try's bytes count against the transfer caps
+            sealed = envelope.seal(self.identity, result, ttl_s=300)
+            self.pauser.count_bytes(len(sealed))
+            return host.request(self.hub_peer, RESULT, sealed, max_response=MAX_CONTROL_REQUEST, timeout_s=30)
+
         try:
             # kept through transient refusals (busy, timeouts) until the task's deadline (A1)
-            reply = await deliver_until(lambda: host.request(self.hub_peer, RESULT, envelope.seal(self.identity, result, ttl_s=300),
-                                                     max_response=MAX_CONTROL_REQUEST, timeout_s=30),
+            reply = await deliver_until(send,
                                 deadline=min(task.deadline, time.time() + 240), backoff=Backoff(base_s=0.5, cap_s=HUB_BACKOFF_CAP_S))
             self.stats.tasks_done += 1
             self.stats.tokens += tokens

@@ -421,6 +421,30 @@ class RelayReport(Message):
 
 
 @dataclass(frozen=True)
+class NodePause(Message):
+    """A node stops (``paused``) or resumes taking tasks because of its owner's computing
+    preferences (hours, idle, CPU load, battery, transfer caps, a model that does not fit): the
+    node is unavailable, not failing, so the hub neither punishes it nor bills it meanwhile.
+    A paused node repeats it as its keepalive. ``resume_at``: when it expects to resume (unix
+    seconds; 0 = not known)."""
+
+    TYPE: ClassVar[str] = "node_pause"
+    MAX_SIZE: ClassVar[int] = 4 * KiB
+    SPEC: ClassVar[dict[str, Spec]] = {
+        "peer_id": _PEER,
+        "paused": Bool(),
+        "reason_code": Str(64),
+        "reason": Str(512),
+        "resume_at": _NONNEG_F,
+    }
+    peer_id: str
+    paused: bool
+    reason_code: str
+    reason: str
+    resume_at: float
+
+
+@dataclass(frozen=True)
 class ErrorReply(Message):
     TYPE: ClassVar[str] = "error"
     MAX_SIZE: ClassVar[int] = 8 * KiB
@@ -523,6 +547,7 @@ MESSAGE_TYPES: dict[str, type[Message]] = {
         ErrorReply,
         ProbeReply,
         Receipt,
+        NodePause,
     )
 }
 MESSAGE_TYPES_BY_DOMAIN: dict[str, type[Message]] = {c.DOMAIN: c for c in MESSAGE_TYPES.values()}

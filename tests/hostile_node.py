@@ -17,7 +17,9 @@ Modes:
                 staying connected (a peer that stops reading);
 * ``slow``      sleeps inside ``generate`` until past the task's deadline;
 * ``corrupt``   flips a byte of every chunk it relays, and claims a huge upload so that the
-                hub's planner makes it a relay (with many children) in a pipelined broadcast.
+                hub's planner makes it a relay (with many children) in a pipelined broadcast;
+* ``lowmem``    a machine that holds ``LOWMEM_ROWS`` samples at once: a task's engine call with
+                more raises MemoryError, as an allocation that fails would (the node is honest).
 
 What the node observed (the hub's reply to each hostile action) goes to ``DIR/hostile.json``;
 while a task runs, its id is in ``DIR/current_task``.
@@ -55,7 +57,8 @@ from echo2.protocol.wire import MAX_CONTROL_REQUEST, RESULT
 
 log = logging.getLogger("hostile_node")
 
-MODES = ("honest", "logprobs", "forge", "stall", "slow", "corrupt")
+MODES = ("honest", "logprobs", "forge", "stall", "slow", "corrupt", "lowmem")
+LOWMEM_ROWS = 2
 CLAIMED_UPLOAD_MBPS = 10_000.0  # the corrupt relay's claim: the fastest uplink in the swarm
 LOGPROB_SHIFT = -0.5  # downwards: log-probs must stay <= 0 or the schema check refuses them first
 SLOW_MARGIN_S = 2.5  # past the deadline, so the hub's 1 s housekeeping has expired the task
@@ -72,8 +75,15 @@ class _Engine:
         return getattr(self._inner, name)
 
     def generate(self, prompts: list[list[int]], group_size: int, *args: Any, **kw: Any) -> list[Completion]:
-        out: list[Completion] = self._inner.generate(prompts, group_size, *args, **kw)
         task = self._node._current_task
+        if task is not None and self._node.mode == "lowmem":
+            calls = self._node.report.setdefault("calls", [])  # [task id, samples asked, out of memory]
+            oom = len(prompts) * group_size > LOWMEM_ROWS
+            calls.append([task.task_id, len(prompts) * group_size, oom])
+            self._node._write_report()
+            if oom:
+                raise MemoryError(f"cannot allocate {len(prompts) * group_size} samples")
+        out: list[Completion] = self._inner.generate(prompts, group_size, *args, **kw)
         if task is None:  # throughput measurement, not a task
             return out
         if self._node.mode == "slow":

@@ -56,6 +56,7 @@ def corpus() -> list[bytes]:
         messages.ErrorReply("schema", "bad"),
         messages.ProbeReply(PEER, b"\x02" * 16, NOW, True, "dialled back", "127.0.0.1:9"),
         messages.Receipt(PEER, IDENTITIES[1].peer_id, ["t-1"], 1, 4, 32, 100_000, NOW, 1, 4, 32, 7),
+        messages.NodePause(PEER, True, "hours", "outside the allowed hours", NOW),
     ]
     assert {type(m) for m in msgs} == set(ALL_TYPES)
     return [seal(SIGNER, m, now=NOW, ttl_s=60.0) for m in msgs]

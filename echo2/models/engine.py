@@ -18,6 +18,7 @@ from __future__ import annotations
 import importlib.util
 import inspect
 import logging
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -27,7 +28,7 @@ from echo2.protocol.messages import Completion
 
 from . import lora
 from . import spec as modelspec
-from .engine_api import Engine, EngineError, validate_request
+from .engine_api import Engine, EngineError, Interrupted, validate_request
 
 __all__ = ["Engine", "EngineError", "TransformersEngine", "check_state_dict", "select_engine", "validate_request"]
 
@@ -80,6 +81,9 @@ class TransformersEngine:
         self._vocab_size = 0
         self._cache_kw = "past_key_values"
         self._has_logits_to_keep = False
+        # checked between generated tokens: True stops the call (Interrupted), e.g. a node whose
+        # owner's preferences paused it hands its task back at once instead of finishing it
+        self.interrupt: Callable[[], bool] | None = None
 
     @property
     def engine_version(self) -> str:
@@ -211,6 +215,8 @@ class TransformersEngine:
         ones = torch.ones((b, 1), dtype=mask.dtype, device=dev)
         steps = 0
         for step in range(max_new_tokens):
+            if self.interrupt is not None and self.interrupt():
+                raise Interrupted(f"stopped after {step} of {max_new_tokens} tokens")
             lp = torch.log_softmax(logits / t, dim=-1)
             if greedy:
                 tok = logits.argmax(dim=-1)

@@ -20,6 +20,12 @@ class EngineError(MeaningError):
     code = "engine"
 
 
+class Interrupted(EngineError):
+    """The caller asked the engine to stop (the node paused by its owner's preferences)."""
+
+    code = "interrupted"
+
+
 @runtime_checkable
 class Engine(Protocol):
     name: str
