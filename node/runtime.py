@@ -22,7 +22,7 @@ from echo2.fsutil import atomic_write
 from echo2.keyfile import load_or_create_identity
 from echo2.looplag import LoopLag
 from echo2.models import statedict
-from echo2.models.engine_api import Interrupted, is_out_of_memory
+from echo2.models.engine_api import is_out_of_memory
 from echo2.models.offline import model_hub_offline
 from echo2.protocol import envelope
 from echo2.protocol.backoff import Backoff
@@ -32,53 +32,40 @@ from echo2.protocol.messages import (
     AdmissionDecision,
     AdmissionRequest,
     Announce,
-    Heartbeat,
     HoldsVersion,
     RelayReport,
-    Result,
     Task,
-    TaskDecline,
-    task_hash,
 )
 from echo2.protocol.net.control import ANNOUNCE_TOPIC, ControlHost
 from echo2.protocol.net.names import reachable_data_addr
 from echo2.protocol.wire import (
     ADMISSION,
-    DECLINE,
     HOLDS,
     MAX_CONTROL_REQUEST,
-    MAX_TASK,
     REPORT,
-    RESULT,
-    WORK,
-    WORK_POLL_S,
 )
 
-from .budget import Budget, Footprint, TaskTooLarge, check_model, footprint, memory_budget, plan_task
+from .budget import Budget, Footprint, check_model, footprint, memory_budget
 from .chunkstore import ChunkStore
 from .config import NodeConfig, NodeStats, hub_peer_id
-from .delivery import deliver_until
-from .generate import generate_bounded
 from .hardware import probe
 from .pausing import Pauser
 from .prefs import Prefs, memory_cap_MiB, threads_for
 from .progress import NodeSteps, Progress
 from .receipts import ReceiptBook
 from .relay_runtime import RelayConfig, RelayNode
-from .tasks import TaskRefused, open_task
+from .taskloop import HUB_BACKOFF_CAP_S, TaskLoop
 from .versions import HeldVersion
 
 log = logging.getLogger(__name__)
 
-# The hub is the one peer a node cannot work without: retry it often (jittered), but not in a loop.
-HUB_BACKOFF_CAP_S = 5.0
 #: Relay reports waiting for the hub (one per corrupt chunk seen); more are dropped, not queued.
 MAX_PENDING_REPORTS = 64
 #: Error codes after which a report is worth sending again later.
 _TRANSIENT_CODES = frozenset({"rate_limited", "busy", "timeout", "internal", "not_admitted", "too_many_streams", "too_slow"})
 
 
-class Node:
+class Node(TaskLoop):
     # the policy downlink; a subclass (e.g. a test's hostile node) may swap it
     relay_cls: type[RelayNode] = RelayNode
     def __init__(self, cfg: NodeConfig) -> None:
@@ -467,150 +454,6 @@ class Node:
                 except Echo2Error as exc:
                     log.debug("announce failed: %s", exc)
             await trio.sleep(0.2)
-
-    async def _worker(self, host: ControlHost, scope: trio.CancelScope) -> None:
-        backoff = Backoff(base_s=0.5, cap_s=HUB_BACKOFF_CAP_S)
-        while True:
-            await self.pauser.wait_running()
-            if self.held is None:
-                with trio.move_on_after(1.0):
-                    await self.version_changed.wait()
-                continue
-            self._seq += 1
-            self.steps.idle()
-            hb = Heartbeat(
-                peer_id=self.peer_id, seq=self._seq, versions_held=[self.held.version], busy_tasks=0, queue_free=1
-            )
-            try:
-                resp = await host.request(
-                    self.hub_peer, WORK, envelope.seal(self.identity, hb), max_response=MAX_TASK, timeout_s=WORK_POLL_S + 15
-                )
-            except RemoteError as exc:
-                if exc.code == "not_admitted":
-                    log.warning("hub no longer knows this node (restarted?): asking for admission again")
-                    if await self._admit(host) is None:
-                        self._stop.set()
-                        return
-                    continue
-                log.warning("hub refused work request: %s", exc)
-                await trio.sleep(backoff.failed())
-                continue
-            except (Echo2Error, OSError) as exc:
-                delay = backoff.failed()
-                log.warning("work request failed (%s); retrying in %.1fs", exc, delay)
-                await trio.sleep(delay)
-                continue
-            backoff.reset()
-            self.pauser.count_bytes(len(resp))
-            try:
-                acc = open_task(resp, hub_peer=self.hub_peer, me=self.peer_id,
-                                held_version=self.held.version if self.held else None, replay=self.replay)
-            except TaskRefused as exc:
-                await self._decline(host, exc.task, exc.code, exc.message)
-                continue
-            except Echo2Error as exc:
-                # forged or malformed: never run it, never answer it
-                self.stats.tasks_refused += 1
-                log.warning("refused task from hub link: %s", exc)
-                continue
-            if acc.task is None:
-                if acc.reply is not None and acc.reply.code != "no_work":
-                    log.info("hub: %s", acc.reply.message)
-                    await trio.sleep(0.5)
-                continue
-            if self.pauser.paused:  # paused while the poll was out: handed back at once
-                await self._decline(host, acc.task, "paused", self.pauser.current.reason)
-                continue
-            await self._run_task(host, acc.task)
-            if self.cfg.max_tasks and self.stats.tasks_done >= self.cfg.max_tasks:
-                self._stop.set()
-                return
-
-    async def _decline(self, host: ControlHost, task: Task, code: str, reason: str) -> None:
-        self.stats.tasks_declined += 1
-        log.warning("declining task %s: %s", task.task_id, reason)
-        msg = TaskDecline(task_id=task.task_id, task_hash=task_hash(task), node_id=self.peer_id, reason_code=code, reason=reason)
-        try:
-            await host.request(self.hub_peer, DECLINE, envelope.seal(self.identity, msg), max_response=MAX_CONTROL_REQUEST, timeout_s=10)
-        except Echo2Error as exc:
-            log.debug("decline not delivered: %s", exc)
-
-    def _plan(self, task: Task) -> int:
-        """Samples to generate at once for this task; TaskTooLarge when it does not fit at all."""
-        if self._footprint is None:
-            raise TaskTooLarge("no model is loaded")
-        plan = plan_task(
-            self._footprint, self._budget(), prompts=len(task.prompts), group_size=task.group_size,
-            prompt_len=max((len(p) for p in task.prompts), default=0), max_new_tokens=task.max_new_tokens,
-            rows_cap=self._rows_cap,
-        )
-        return plan.batch_rows
-
-    async def _run_task(self, host: ControlHost, task: Task) -> None:
-        started = time.time()
-        self._current_task = task
-        self.steps.task(task.task_id, len(task.prompts), task.group_size, task.max_new_tokens)
-        async with self._engine_lock:
-            version = self._engine.version
-            t0 = time.monotonic()
-            declined: tuple[str, str] | None = None
-            try:
-                batch_rows = self._plan(task)
-                completions, worked = await trio.to_thread.run_sync(generate_bounded, self._engine, task, batch_rows,
-                                                                    self.pauser.should_stop)
-                if worked < batch_rows:
-                    self._rows_cap = worked  # what ran out of memory once is not tried again
-            except Interrupted:  # the preferences paused the node: the task goes back to the hub now
-                declined = ("paused", self.pauser.current.reason or "computing paused")
-            except Echo2Error as exc:  # too large for this node, or the engine refused it (limits, vocabulary)
-                declined = (exc.code, exc.message)
-            except Exception as exc:  # whatever a task makes the engine do, the node stays up
-                log.exception("task %s failed in the engine", task.task_id)
-                declined = ("engine_error", f"{type(exc).__name__}: {str(exc)[:300]}")
-            gen_s = time.monotonic() - t0
-        self._current_task = None
-        if declined is not None:
-            await self._decline(host, task, *declined)
-            return
-        tokens = sum(len(c.token_ids) for c in completions)
-        self.steps.generated(task.task_id, tokens, len(task.prompts) * task.group_size * task.max_new_tokens, gen_s)
-        if version != self._measured_version and gen_s > 0:
-            self._measured_version = version
-            self.measured["tokens_per_s"] = tokens / gen_s
-            self.measured["rollouts_per_s"] = len(completions) / gen_s
-        result = Result(
-            task_id=task.task_id,
-            task_hash=task_hash(task),
-            node_id=self.peer_id,
-            version=version,
-            completions=completions,
-            started_at=started,
-            gen_seconds=gen_s,
-            tokens=tokens,
-        )
-
-        def send() -> Any:
-            # sealed afresh for each try (a retry of a request the hub did take must not read as a
-            # replay), and each try's bytes count against the transfer caps
-            sealed = envelope.seal(self.identity, result, ttl_s=300)
-            self.pauser.count_bytes(len(sealed))
-            return host.request(self.hub_peer, RESULT, sealed, max_response=MAX_CONTROL_REQUEST, timeout_s=30)
-
-        try:
-            # kept through transient refusals (busy, timeouts) until the task's deadline (A1)
-            reply = await deliver_until(send,
-                                deadline=min(task.deadline, time.time() + 240), backoff=Backoff(base_s=0.5, cap_s=HUB_BACKOFF_CAP_S))
-            self.stats.tasks_done += 1
-            self.stats.tokens += tokens
-            log.info("result of task %s accepted", task.task_id)  # what the crash bench counts as acknowledged
-            await self.receipts.accepted(reply, hub_peer=self.hub_peer, me=self.peer_id, task_id=task.task_id, replay=self.replay)
-        except RemoteError as exc:
-            self.stats.results_refused += 1
-            log.warning("hub refused result of task %s: %s", task.task_id, exc)
-            await self.receipts.refused(hub_peer=self.hub_peer, task_id=task.task_id, code=exc.code, reason=exc.message)
-        except (Echo2Error, OSError) as exc:
-            log.warning("result of task %s not delivered: %s", task.task_id, exc)
-        self._write_state()
 
 
 def _select_engine(name: str, threads: int) -> Any:
