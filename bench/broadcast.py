@@ -37,6 +37,20 @@ def _int_list(text: str) -> list[int]:
     return out
 
 
+def _rates(text: str) -> tuple[float, float]:
+    try:
+        lo, hi = (float(x) for x in text.split(":"))
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"LO:HI in MB/s, got {text!r}") from e
+    if not 0 < lo <= hi:
+        raise argparse.ArgumentTypeError("need 0 < LO <= HI")
+    return lo, hi
+
+
+def _wide_area(args: argparse.Namespace) -> bool:
+    return bool(args.rates or args.nat_share or args.churn or args.nat_relay)
+
+
 def _mode_list(text: str) -> list[str]:
     out = [m.strip() for m in text.split(",") if m.strip()]
     bad = [m for m in out if m not in ("star", "pipelined")]
@@ -60,6 +74,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--netns", action="store_true",
                         help="real runs in network namespaces (root): hub and nodes each on a host whose upload the "
                              "kernel's tbf shapes at --link-MBps, no token bucket (bench/netns.py)")
+    wan = parser.add_argument_group("wide area (--simulate only; bench/wan_sim.py)")
+    wan.add_argument("--rates", type=_rates, default=None, metavar="LO:HI",
+                     help="node uploads drawn log-uniform in LO..HI MB/s (e.g. 2:125); the hub at --hub-MBps or --link-MBps")
+    wan.add_argument("--nat-share", dest="nat_share", type=float, default=0.0, help="share of NATed nodes (0..1)")
+    wan.add_argument("--punch-p", dest="punch_p", type=float, default=0.6,
+                     help="probability that hole punching joins two NATed nodes")
+    wan.add_argument("--nat-relay", dest="nat_relay", action="store_true",
+                     help="plan NATed nodes as relays (what NAT traversal will allow); default: leaves, as today")
+    wan.add_argument("--churn", type=float, default=0.0, help="this share of nodes leaves, as many join, during the broadcast")
+    wan.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", default=None, help="write results here")
     parser.add_argument("--plot", default=None, help="PNG: seconds against N for each mode, with the floor M/B")
 
@@ -216,6 +240,31 @@ def run_real(args: argparse.Namespace) -> list[dict[str, object]]:
     return rows
 
 
+def run_wan(args: argparse.Namespace) -> list[dict[str, object]]:
+    """Pipelined broadcast on a simulated wide area; the ratio against the fluid bound too."""
+    from echo2.bench.wan_sim import simulate_wan
+
+    lo, hi = args.rates or (args.link_MBps, args.link_MBps)
+    hub = args.hub_MBps or args.link_MBps
+    rows: list[dict[str, object]] = []
+    for n in args.nodes:
+        r = simulate_wan(n, args.mbytes, hub_MBps=hub, rate_lo=lo, rate_hi=hi, nat_share=args.nat_share,
+                         punch_p=args.punch_p, churn=args.churn, nat_relay=args.nat_relay, seed=args.seed,
+                         chunk_bytes=args.chunk_bytes,
+                         latency_s=0.002 if args.latency_ms is None else args.latency_ms / 1000.0)
+        rows.append({
+            "mode": "pipelined", "nodes": n, "seconds": r.seconds, "median_seconds": r.median_seconds,
+            "first_seconds": r.first_seconds, "ideal_seconds": r.hub_floor_seconds, "ratio": r.ratio_hub,
+            "fluid_seconds": r.fluid_seconds, "ratio_fluid": r.ratio_fluid, "issue_bound_seconds": r.issue_bound_seconds,
+            "hub_sent_bytes": r.hub_sent_bytes, "peer_sent_bytes": r.peer_sent_bytes,
+            "nat_nodes": r.nat_nodes, "nat_sent_bytes": r.nat_sent_bytes, "punch_failures": r.punch_failures,
+            "left": r.left, "joined": r.joined, "joiner_max_seconds": r.joiner_max_seconds,
+            "chunks": r.n_chunks, "chunk_bytes": r.chunk_bytes, "stripes": r.stripes, "depth": r.depth,
+            "simulated": True, "wide_area": True,
+        })
+    return rows
+
+
 def run_simulated(args: argparse.Namespace) -> list[dict[str, object]]:
     from echo2.bench import broadcast_sim as sim
 
@@ -250,12 +299,25 @@ def run(args: argparse.Namespace) -> int:
         raise SystemExit("--mbytes, --link-MBps and --chunk-bytes must be positive")
     if args.plot:
         plotting.require()
-    rows = run_simulated(args) if args.simulate else run_real(args)
+    if _wide_area(args) and not args.simulate:
+        raise SystemExit("--rates, --nat-share, --churn and --nat-relay are for --simulate")
+    if not (0 <= args.nat_share <= 1 and 0 <= args.punch_p <= 1 and 0 <= args.churn < 1):
+        raise SystemExit("--nat-share and --punch-p in [0, 1], --churn in [0, 1)")
+    if args.simulate and _wide_area(args):
+        args.mode = ["pipelined"]
+        rows = run_wan(args)
+    else:
+        rows = run_simulated(args) if args.simulate else run_real(args)
     print(f"{'mode':<10} {'nodes':>6} {'seconds':>10} {'median':>10} {'ideal':>8} {'ratio':>7} {'hub MB':>9} {'peer MB':>10}")
     for r in rows:
         print(f"{r['mode']:<10} {r['nodes']:>6} {r['seconds']:>10.2f} {r['median_seconds']:>10.2f} "
               f"{r['ideal_seconds']:>8.2f} {r['ratio']:>7.3f} {int(r['hub_sent_bytes']) / 1e6:>9.1f} "  # type: ignore[call-overload]
               f"{int(r['peer_sent_bytes']) / 1e6:>10.1f}")  # type: ignore[call-overload]
+        if "ratio_fluid" in r:
+            print(f"{'':<10} fluid bound {r['fluid_seconds']:.2f}s, ratio to it {r['ratio_fluid']:.3f}; "
+                  f"{r['nat_nodes']} NATed uploaded {int(r['nat_sent_bytes']) / 1e6:.1f} MB; "  # type: ignore[call-overload]
+                  f"-{r['left']} +{r['joined']} nodes, joiners <= {r['joiner_max_seconds']:.2f}s after joining; "
+                  f"{r['chunks']} chunks of {r['chunk_bytes']} B, depth {r['depth']}")
     if args.json:
         nodes: object = args.nodes[0] if len(args.nodes) == 1 else args.nodes
         doc = {"nodes": nodes, "mbytes": args.mbytes, "link_MBps": args.link_MBps, "hub_MBps": args.hub_MBps,
