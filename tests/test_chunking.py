@@ -1,4 +1,4 @@
-"""The chunk-size rule (protocol.chunking): its fill target and limits, the planner depths it
+"""The chunk-size rule (protocol.chunking): the fill and per-chunk costs it balances, its limits, the planner depths it
 assumes, the simulator and the publisher that use it."""
 
 from __future__ import annotations
@@ -23,22 +23,25 @@ SIZES = [8 * MB, 32 * MB, 256 * MB, 1000 * MB, 16_000 * MB]
 
 @pytest.mark.parametrize("n", [1, 8, 16, 1000, 10_000])
 @pytest.mark.parametrize("total", SIZES)
-def test_fill_small_within_limits(n: int, total: int) -> None:
+def test_rule_minimises_overhead_within_limits(n: int, total: int) -> None:
     c = chunking.choose_chunk_size(total, n)
     k = -(-total // c)
     assert c & (c - 1) == 0  # a power of two
-    assert chunking.MIN_CHUNK_SIZE <= c <= chunking.MAX_CHUNK_SIZE <= packing.MAX_CHUNK_SIZE
+    lo = max(chunking.MIN_CHUNK_SIZE, chunking.in_flight_min())
+    assert lo <= c <= chunking.MAX_CHUNK_SIZE <= packing.MAX_CHUNK_SIZE
     # a whole encoded chunk fits the data plane's default CHUNK frame (the star path uses it)
     assert packing.max_encoded_size(c) < DEFAULT_MAX_SIZES[FrameType.CHUNK]
     assert k <= chunking.MAX_CHUNKS_PER_VERSION <= MAX_CHUNKS
-    fill = chunking.DEFAULT_STRIPES * chunking.estimated_depth(n) / k
-    if c > chunking.in_flight_min():
-        # the target was reachable: the fill is at most the aim (k rounded up by a power of two)
-        assert fill <= chunking.DEFAULT_FILL
-    else:
-        # small versions on deep plans: the in-flight floor binds (8 MB, 1000 nodes: 62 chunks of
-        # 128 KiB, fill 0.32; 10^4 nodes: 0.48)
-        assert c == chunking.in_flight_min() and total <= 32 * MB
+    # no power of two within the limits predicts less fill + per-chunk work
+    cost = chunking.overhead(c, total, n)
+    others = [1 << e for e in range(lo.bit_length() - 1, chunking.MAX_CHUNK_SIZE.bit_length())]
+    assert all(cost <= chunking.overhead(o, total, n) + 1e-12 for o in others)
+    # and it is near the continuous optimum sqrt(H·M/(S·D)) unless a limit binds
+    s_d = chunking.DEFAULT_STRIPES * chunking.estimated_depth(n)
+    opt = (chunking.DEFAULT_PER_CHUNK_BYTES * total / s_d) ** 0.5
+    assert c == lo or c == chunking.MAX_CHUNK_SIZE or opt / 2 <= c <= opt * 2
+    # big versions: fill and per-chunk work small against M/b (256 MB at 10^4 nodes: 0.17)
+    assert cost <= (0.1 if total >= 1000 * MB else 0.2 if total >= 256 * MB else 1.0)
 
 
 def test_depth_estimate_bounds_the_planner() -> None:
@@ -60,7 +63,7 @@ def test_stable_chunk_size_keeps_deltas() -> None:
 def test_simulator_default_rule_1000_nodes_32MB() -> None:
     r = simulate("pipelined", 1000, 32, 10)
     assert r.chunk_bytes == chunking.choose_chunk_size(32 * MB, 1000)
-    # issue 18 measured 3.42 with the former 4 MiB default; the rule's fill is ~0.08
+    # issue 18 measured 3.42 with the former 4 MiB default; the rule gives 256 KiB here
     assert r.ratio <= 1.2
     assert r.ratio <= 1 + 1.1 * 2 * r.depth / r.n_chunks + 0.01
 
@@ -80,8 +83,8 @@ def test_publisher_follows_the_fleet() -> None:
             sizes.append((p.packed.manifest.chunk_size, p.packed.manifest.parent))
 
     trio.run(go)
-    # 1 node: 512 KiB; 4 nodes would choose 256 KiB, within 2x: kept, so v1 is a delta of v0;
-    # 1000 nodes (10 hops): 128 KiB, a full version
-    assert sizes == [(512 * 1024, None), (512 * 1024, 0), (128 * 1024, None)]
+    # 1 node: 1 MiB; 4 nodes would choose 512 KiB, within 2x: kept, so v1 is a delta of v0;
+    # 1000 nodes (10 hops): 256 KiB, a full version
+    assert sizes == [(1 << 20, None), (1 << 20, 0), (256 * 1024, None)]
     fixed = PolicyPublisher(Identity.generate(), "{}", {}, SimpleNamespace(chunk_bytes=4096, full_every=10))
     assert fixed.chunk_size_for(10**9) == 4096

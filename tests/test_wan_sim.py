@@ -24,7 +24,7 @@ def test_uniform_fleet_matches_the_lan_simulator() -> None:
     assert wan.seconds == pytest.approx(lan.seconds, rel=0.02)
     # equal uploads, hub included: the hub's own floor is the fluid bound
     assert wan.fluid_seconds == pytest.approx(16 / 10) == pytest.approx(wan.hub_floor_seconds)
-    assert wan.ratio_fluid <= 1.2
+    assert wan.ratio_fluid <= 1.25  # the fill S·D/k = 14/62 of the rule's 256 KiB chunks
 
 
 def test_fluid_bound_when_uploads_are_scarce() -> None:
