@@ -25,6 +25,7 @@ from echo2.bench import plotting
 
 log = logging.getLogger(__name__)
 MB = 1_000_000
+TBF_GOODPUT = 1448 / 1514
 
 
 def _int_list(text: str) -> list[int]:
@@ -231,7 +232,11 @@ def run_real(args: argparse.Namespace) -> list[dict[str, object]]:
                 else:
                     row = trio.run(_real_mode, mode, n, args.mbytes, args.link_MBps, hub_MBps, chunk, root)
                 used = int(row["chunk_bytes"])  # type: ignore[call-overload]
-                p = sim.simulate(mode, n, args.mbytes, args.link_MBps, used, hub_MBps=args.hub_MBps)
+                # tbf shapes whole frames: 1448 TCP payload bytes per 1514 on the wire (MTU 1500
+                # with timestamps), so the simulator gets the goodput of a shaped link
+                eff = TBF_GOODPUT if getattr(args, "netns", False) else 1.0
+                p = sim.simulate(mode, n, args.mbytes, args.link_MBps * eff, used,
+                                 hub_MBps=args.hub_MBps * eff if args.hub_MBps else None)
                 row["sim_seconds"] = p.seconds
                 row["sim_median_seconds"] = p.median_seconds
                 row["sim_vs_real"] = p.seconds / float(row["seconds"])  # type: ignore[arg-type]

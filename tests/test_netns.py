@@ -6,9 +6,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import signal
 import socket
+import subprocess
+import sys
 import threading
 import time
+import uuid
 from pathlib import Path
 
 import pytest
@@ -55,6 +59,26 @@ def test_tbf_shapes_upload_and_teardown_is_complete() -> None:
     assert netns.list_netns(prefix) == []
     # tbf at layer 2: TCP/IP headers take ~3%, the 32 kB burst adds a little at the start
     assert 0.75 * rate <= got["MBps"] <= 1.1 * rate, got
+
+
+def test_sigterm_tears_down() -> None:
+    prefix = f"e2t{uuid.uuid4().hex[:5]}"
+    code = ("import sys, time; from echo2.bench.netns import Net\n"
+            f"with Net(2, 8, prefix={prefix!r}):\n    print('up', flush=True); time.sleep(60)\n")
+    p = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    try:
+        assert p.stdout is not None and p.stdout.readline().strip() == "up"
+        assert len(netns.list_netns(prefix)) == 3
+        p.send_signal(signal.SIGTERM)
+        p.wait(timeout=30)
+        left = netns.list_netns(prefix)  # what the interrupted process left behind
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+        netns.teardown_prefix(prefix)
+    assert left == []
+    assert p.returncode != 0  # it was interrupted, and its teardown ran before it exited
 
 
 @pytest.mark.slow
