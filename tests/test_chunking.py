@@ -60,6 +60,13 @@ def test_stable_chunk_size_keeps_deltas() -> None:
         chunking.choose_chunk_size(0, 8)
 
 
+def test_simulator_default_rule_200_nodes() -> None:
+    r = simulate("pipelined", 200, 32, 10)
+    assert r.chunk_bytes == chunking.choose_chunk_size(32 * MB, 200) == 256 * 1024
+    assert r.ratio <= 1 + 1.1 * 2 * r.depth / r.n_chunks + 0.01
+
+
+@pytest.mark.slow
 def test_simulator_default_rule_1000_nodes_32MB() -> None:
     r = simulate("pipelined", 1000, 32, 10)
     assert r.chunk_bytes == chunking.choose_chunk_size(32 * MB, 1000)
