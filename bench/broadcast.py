@@ -7,7 +7,9 @@ hub upload at ``--link-MBps`` (unless ``--hub-MBps`` is given).
 ``--simulate`` runs the discrete-event simulation (``echo2.bench.broadcast_sim``); without it,
 :func:`run_real` starts one real node process per node on 127.0.0.1 and a hub in this process
 (star: ``StarSender``; pipelined: ``echo2.learner_hub.broadcast.PipelinedSender``) and publishes a
-version of ``--mbytes`` MB of random (incompressible) bytes. Real runs default to 1 MiB chunks.
+version of ``--mbytes`` MB of random (incompressible) bytes. ``--netns`` puts the hub and each node in
+its own network namespace with the kernel's tbf on its upload instead (``echo2.bench.netns``).
+The chunk size defaults to the publisher's rule (``echo2.protocol.chunking``: from M and N).
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from echo2.bench import plotting
 
 log = logging.getLogger(__name__)
 MB = 1_000_000
+TBF_GOODPUT = 1448 / 1514
 
 
 def _int_list(text: str) -> list[int]:
@@ -33,6 +36,20 @@ def _int_list(text: str) -> list[int]:
     if not out or any(n < 1 for n in out):
         raise argparse.ArgumentTypeError("node counts must be >= 1")
     return out
+
+
+def _rates(text: str) -> tuple[float, float]:
+    try:
+        lo, hi = (float(x) for x in text.split(":"))
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"LO:HI in MB/s, got {text!r}") from e
+    if not 0 < lo <= hi:
+        raise argparse.ArgumentTypeError("need 0 < LO <= HI")
+    return lo, hi
+
+
+def _wide_area(args: argparse.Namespace) -> bool:
+    return bool(args.rates or args.nat_share or args.churn or args.nat_relay)
 
 
 def _mode_list(text: str) -> list[str]:
@@ -50,20 +67,33 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="upload limit of every node and the hub, MB/s (10^6 bytes/s)")
     parser.add_argument("--hub-MBps", dest="hub_MBps", type=float, default=None, help="hub upload (default: --link-MBps)")
     parser.add_argument("--chunk-bytes", dest="chunk_bytes", type=int, default=None,
-                        help="chunk size in bytes (default 4 MiB)")
+                        help="chunk size in bytes (default: the publisher's rule from M and N, protocol.chunking)")
     parser.add_argument("--mode", type=_mode_list, default=["star", "pipelined"], help="star,pipelined")
     parser.add_argument("--simulate", action="store_true", help="discrete-event simulation instead of real processes")
     parser.add_argument("--latency-ms", dest="latency_ms", type=float, default=None,
                         help="per-chunk hop overhead in the simulation (default 2 ms)")
+    parser.add_argument("--netns", action="store_true",
+                        help="real runs in network namespaces (root): hub and nodes each on a host whose upload the "
+                             "kernel's tbf shapes at --link-MBps, no token bucket (bench/netns.py)")
+    wan = parser.add_argument_group("wide area (--simulate only; bench/wan_sim.py)")
+    wan.add_argument("--rates", type=_rates, default=None, metavar="LO:HI",
+                     help="node uploads drawn log-uniform in LO..HI MB/s (e.g. 2:125); the hub at --hub-MBps or --link-MBps")
+    wan.add_argument("--nat-share", dest="nat_share", type=float, default=0.0, help="share of NATed nodes (0..1)")
+    wan.add_argument("--punch-p", dest="punch_p", type=float, default=0.6,
+                     help="probability that hole punching joins two NATed nodes")
+    wan.add_argument("--nat-relay", dest="nat_relay", action="store_true",
+                     help="plan NATed nodes as relays (what NAT traversal will allow); default: leaves, as today")
+    wan.add_argument("--churn", type=float, default=0.0, help="this share of nodes leaves, as many join, during the broadcast")
+    wan.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", default=None, help="write results here")
     parser.add_argument("--plot", default=None, help="PNG: seconds against N for each mode, with the floor M/B")
 
 
-REAL_CHUNK_BYTES = 1 << 20  # 1 MiB: 32 chunks for 32 MB keeps the pipeline term (S*depth/k) small
-
 
 def _spawn_nodes(n: int, hub_addr: str, hub_peer: str, link_MBps: float, root: str,
-                 corrupt: frozenset[int] = frozenset()) -> list[Any]:
+                 corrupt: frozenset[int] = frozenset(), net: Any = None) -> list[Any]:
+    """Node ``i`` on 127.0.0.1 behind its token bucket, or (``net``: a ``bench.netns.Net``) in
+    host ``i + 1``'s namespace, its upload shaped by the kernel only (it announces the link rate)."""
     import subprocess
     import sys
 
@@ -71,18 +101,28 @@ def _spawn_nodes(n: int, hub_addr: str, hub_peer: str, link_MBps: float, root: s
     for i in range(n):
         d = os.path.join(root, f"node{i}")
         os.makedirs(d, exist_ok=True)
-        cmd = [sys.executable, "-m", "echo2.node.relay_main", "--hub-addr", hub_addr, "--hub-peer", hub_peer,
-               "--dir", d, "--upload-MBps", str(link_MBps)]
+        cmd = [sys.executable, "-m", "echo2.node.relay_main", "--hub-addr", hub_addr, "--hub-peer", hub_peer, "--dir", d]
+        if net is None:
+            cmd += ["--upload-MBps", str(link_MBps)]
+        else:
+            cmd += ["--announce-MBps", str(link_MBps), "--host", net.ip(i + 1)]
         if i in corrupt:
             cmd.append("--corrupt")
         with open(os.path.join(d, "log.txt"), "wb") as logf:
-            procs.append(subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=logf))
+            if net is None:
+                procs.append(subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=logf))
+            else:
+                procs.append(net.popen(i + 1, cmd, stdout=subprocess.DEVNULL, stderr=logf))
     return procs
 
 
-def _stop_nodes(procs: list[Any]) -> None:
+def _stop_nodes(procs: list[Any], net: Any = None) -> None:
     import subprocess
 
+    if net is not None:
+        for p in procs:
+            net.kill(p)
+        return
     for p in procs:
         if p.poll() is None:
             p.terminate()
@@ -95,7 +135,7 @@ def _stop_nodes(procs: list[Any]) -> None:
 
 
 async def _real_mode(mode: str, n: int, mbytes: float, link_MBps: float, hub_MBps: float, chunk: int,
-                     root: str, connect_timeout_s: float = 180.0) -> dict[str, object]:
+                     root: str, connect_timeout_s: float = 180.0, net: Any = None) -> dict[str, object]:
     import numpy as np
     import torch
     import trio
@@ -107,15 +147,16 @@ async def _real_mode(mode: str, n: int, mbytes: float, link_MBps: float, hub_MBp
     from echo2.protocol.net.ratelimit import UploadLimiter
 
     identity = Identity.generate()
-    cfg = SimpleNamespace(chunk_bytes=chunk, full_every=10)
+    cfg = SimpleNamespace(chunk_bytes=chunk, full_every=10)  # 0: the publisher's rule (protocol.chunking)
     publisher = PolicyPublisher(identity, "{}", {}, cfg)
     sender: Any
     if mode == "star":
         sender = StarWithHolds(StarSender(publisher))
     else:
         sender = PipelinedSender(publisher, identity, hub_upload_MBps=hub_MBps)
-    server = DataPlaneServer(identity, sender.serve_connection, upload_limiter=UploadLimiter(hub_MBps),
-                             max_connections=max(256, 4 * n))
+    # under --netns the hub's upload is the kernel's tbf on host 0, not a token bucket
+    server = DataPlaneServer(identity, sender.serve_connection, upload_limiter=None if net else UploadLimiter(hub_MBps),
+                             max_connections=max(256, 4 * n), host=net.ip(0) if net else "127.0.0.1")
     total = int(round(mbytes * MB))
     # Incompressible: zstd stores random bytes as they are, so M MB really travel.
     state = {"w": torch.from_numpy(np.random.default_rng(1).integers(0, 256, total, dtype=np.uint8))}
@@ -125,7 +166,7 @@ async def _real_mode(mode: str, n: int, mbytes: float, link_MBps: float, hub_MBp
             await nursery.start(server.serve)
             if mode == "pipelined":
                 sender.data_addr = server.addr
-            procs = _spawn_nodes(n, server.addr, identity.peer_id, link_MBps, os.path.join(root, mode))
+            procs = _spawn_nodes(n, server.addr, identity.peer_id, link_MBps, os.path.join(root, mode), net=net)
             with trio.fail_after(connect_timeout_s):
                 while len(sender.hello) < n:
                     await sender.changed.wait()
@@ -140,8 +181,10 @@ async def _real_mode(mode: str, n: int, mbytes: float, link_MBps: float, hub_MBp
             m = sender.version_metrics(1)
             nursery.cancel_scope.cancel()
     finally:
-        _stop_nodes(procs)
+        _stop_nodes(procs, net)
     assert m is not None
+    assert publisher.latest is not None
+    chunk = publisher.latest.packed.manifest.chunk_size
     ideal = mbytes / min(link_MBps, hub_MBps)
     hub_sent = int(sender.bytes_sent)
     return {
@@ -157,6 +200,7 @@ async def _real_mode(mode: str, n: int, mbytes: float, link_MBps: float, hub_MBp
         "chunks": -(-total // chunk),
         "chunk_bytes": chunk,
         "simulated": False,
+        "netns": net is not None,
     }
 
 
@@ -170,14 +214,29 @@ def run_real(args: argparse.Namespace) -> list[dict[str, object]]:
 
     from echo2.bench import broadcast_sim as sim
 
-    chunk = args.chunk_bytes or REAL_CHUNK_BYTES
+    chunk = args.chunk_bytes or 0
     hub_MBps = args.hub_MBps or args.link_MBps
+    if getattr(args, "netns", False) and args.hub_MBps and args.hub_MBps != args.link_MBps:
+        raise SystemExit("--netns shapes every host at --link-MBps; --hub-MBps is not supported there")
     rows: list[dict[str, object]] = []
     with tempfile.TemporaryDirectory(prefix="echo2-bcast-") as root:
         for n in args.nodes:
             for mode in args.mode:
-                row = trio.run(_real_mode, mode, n, args.mbytes, args.link_MBps, hub_MBps, chunk, root)
-                p = sim.simulate(mode, n, args.mbytes, args.link_MBps, chunk, hub_MBps=args.hub_MBps)
+                if getattr(args, "netns", False):
+                    from echo2.bench.netns import Net
+
+                    # a fresh LAN per row: host 0 is the hub, hosts 1..n the nodes
+                    with Net(n + 1, args.link_MBps) as net, net.inside(0):
+                        row = trio.run(_real_mode, mode, n, args.mbytes, args.link_MBps, hub_MBps, chunk, root,
+                                       180.0, net)
+                else:
+                    row = trio.run(_real_mode, mode, n, args.mbytes, args.link_MBps, hub_MBps, chunk, root)
+                used = int(row["chunk_bytes"])  # type: ignore[call-overload]
+                # tbf shapes whole frames: 1448 TCP payload bytes per 1514 on the wire (MTU 1500
+                # with timestamps), so the simulator gets the goodput of a shaped link
+                eff = TBF_GOODPUT if getattr(args, "netns", False) else 1.0
+                p = sim.simulate(mode, n, args.mbytes, args.link_MBps * eff, used,
+                                 hub_MBps=args.hub_MBps * eff if args.hub_MBps else None)
                 row["sim_seconds"] = p.seconds
                 row["sim_median_seconds"] = p.median_seconds
                 row["sim_vs_real"] = p.seconds / float(row["seconds"])  # type: ignore[arg-type]
@@ -186,10 +245,35 @@ def run_real(args: argparse.Namespace) -> list[dict[str, object]]:
     return rows
 
 
+def run_wan(args: argparse.Namespace) -> list[dict[str, object]]:
+    """Pipelined broadcast on a simulated wide area; the ratio against the fluid bound too."""
+    from echo2.bench.wan_sim import simulate_wan
+
+    lo, hi = args.rates or (args.link_MBps, args.link_MBps)
+    hub = args.hub_MBps or args.link_MBps
+    rows: list[dict[str, object]] = []
+    for n in args.nodes:
+        r = simulate_wan(n, args.mbytes, hub_MBps=hub, rate_lo=lo, rate_hi=hi, nat_share=args.nat_share,
+                         punch_p=args.punch_p, churn=args.churn, nat_relay=args.nat_relay, seed=args.seed,
+                         chunk_bytes=args.chunk_bytes,
+                         latency_s=0.002 if args.latency_ms is None else args.latency_ms / 1000.0)
+        rows.append({
+            "mode": "pipelined", "nodes": n, "seconds": r.seconds, "median_seconds": r.median_seconds,
+            "first_seconds": r.first_seconds, "ideal_seconds": r.hub_floor_seconds, "ratio": r.ratio_hub,
+            "fluid_seconds": r.fluid_seconds, "ratio_fluid": r.ratio_fluid, "issue_bound_seconds": r.issue_bound_seconds,
+            "hub_sent_bytes": r.hub_sent_bytes, "peer_sent_bytes": r.peer_sent_bytes,
+            "nat_nodes": r.nat_nodes, "nat_sent_bytes": r.nat_sent_bytes, "punch_failures": r.punch_failures,
+            "left": r.left, "joined": r.joined, "joiner_max_seconds": r.joiner_max_seconds,
+            "chunks": r.n_chunks, "chunk_bytes": r.chunk_bytes, "stripes": r.stripes, "depth": r.depth,
+            "simulated": True, "wide_area": True,
+        })
+    return rows
+
+
 def run_simulated(args: argparse.Namespace) -> list[dict[str, object]]:
     from echo2.bench import broadcast_sim as sim
 
-    chunk = args.chunk_bytes or sim.DEFAULT_CHUNK_BYTES
+    chunk = args.chunk_bytes or None  # None: the publisher's rule
     latency = sim.DEFAULT_LATENCY_S if args.latency_ms is None else args.latency_ms / 1000.0
     ideal = args.mbytes / (args.hub_MBps if args.hub_MBps else args.link_MBps)
     rows: list[dict[str, object]] = []
@@ -207,6 +291,7 @@ def run_simulated(args: argparse.Namespace) -> list[dict[str, object]]:
                 "hub_sent_bytes": r.hub_sent_bytes,
                 "peer_sent_bytes": r.peer_sent_bytes,
                 "chunks": r.n_chunks,
+                "chunk_bytes": r.chunk_bytes,
                 "stripes": r.stripes,
                 "depth": r.depth,
                 "simulated": True,
@@ -214,27 +299,34 @@ def run_simulated(args: argparse.Namespace) -> list[dict[str, object]]:
     return rows
 
 
-def _default_chunk() -> int:
-    from echo2.bench.broadcast_sim import DEFAULT_CHUNK_BYTES
-
-    return DEFAULT_CHUNK_BYTES
-
-
 def run(args: argparse.Namespace) -> int:
     if args.mbytes <= 0 or args.link_MBps <= 0 or (args.chunk_bytes is not None and args.chunk_bytes <= 0):
         raise SystemExit("--mbytes, --link-MBps and --chunk-bytes must be positive")
     if args.plot:
         plotting.require()
-    rows = run_simulated(args) if args.simulate else run_real(args)
+    if _wide_area(args) and not args.simulate:
+        raise SystemExit("--rates, --nat-share, --churn and --nat-relay are for --simulate")
+    if not (0 <= args.nat_share <= 1 and 0 <= args.punch_p <= 1 and 0 <= args.churn < 1):
+        raise SystemExit("--nat-share and --punch-p in [0, 1], --churn in [0, 1)")
+    if args.simulate and _wide_area(args):
+        args.mode = ["pipelined"]
+        rows = run_wan(args)
+    else:
+        rows = run_simulated(args) if args.simulate else run_real(args)
     print(f"{'mode':<10} {'nodes':>6} {'seconds':>10} {'median':>10} {'ideal':>8} {'ratio':>7} {'hub MB':>9} {'peer MB':>10}")
     for r in rows:
         print(f"{r['mode']:<10} {r['nodes']:>6} {r['seconds']:>10.2f} {r['median_seconds']:>10.2f} "
               f"{r['ideal_seconds']:>8.2f} {r['ratio']:>7.3f} {int(r['hub_sent_bytes']) / 1e6:>9.1f} "  # type: ignore[call-overload]
               f"{int(r['peer_sent_bytes']) / 1e6:>10.1f}")  # type: ignore[call-overload]
+        if "ratio_fluid" in r:
+            print(f"{'':<10} fluid bound {r['fluid_seconds']:.2f}s, ratio to it {r['ratio_fluid']:.3f}; "
+                  f"{r['nat_nodes']} NATed uploaded {int(r['nat_sent_bytes']) / 1e6:.1f} MB; "  # type: ignore[call-overload]
+                  f"-{r['left']} +{r['joined']} nodes, joiners <= {r['joiner_max_seconds']:.2f}s after joining; "
+                  f"{r['chunks']} chunks of {r['chunk_bytes']} B, depth {r['depth']}")
     if args.json:
         nodes: object = args.nodes[0] if len(args.nodes) == 1 else args.nodes
         doc = {"nodes": nodes, "mbytes": args.mbytes, "link_MBps": args.link_MBps, "hub_MBps": args.hub_MBps,
-               "chunk_bytes": args.chunk_bytes or (_default_chunk() if args.simulate else REAL_CHUNK_BYTES), "simulated": bool(args.simulate),
+               "chunk_bytes": args.chunk_bytes or "rule", "simulated": bool(args.simulate),
                "results": rows}
         with open(args.json, "w") as f:
             json.dump(doc, f, indent=2)

@@ -25,10 +25,12 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from echo2.learner_hub.planner import HUB, NodeInfo, Plan, plan_broadcast, star_plan
+from echo2.protocol.chunking import choose_chunk_size
 from echo2.protocol.relay import Complete, Relay, Request, Send
 
 MB = 1_000_000
-DEFAULT_CHUNK_BYTES = 4 * 1024 * 1024
+# the chunk size before issue 18 (now: protocol.chunking.choose_chunk_size, as the publisher)
+LEGACY_CHUNK_BYTES = 4 * 1024 * 1024
 DEFAULT_LATENCY_S = 0.002
 DEFAULT_VERIFY_MBPS = 1000.0
 MODES = ("star", "pipelined")
@@ -45,6 +47,7 @@ class SimResult:
     peer_sent_bytes: int
     ideal_seconds: float
     n_chunks: int
+    chunk_bytes: int
     stripes: int
     depth: int
     node_seconds: dict[str, float] = field(default_factory=dict, repr=False)
@@ -52,6 +55,11 @@ class SimResult:
     @property
     def ratio(self) -> float:
         return self.seconds / self.ideal_seconds if self.ideal_seconds > 0 else math.inf
+
+
+def chunk_size_for(total_bytes: int, n_nodes: int) -> int:
+    """The default chunk size: the publisher's rule (``protocol.chunking``)."""
+    return choose_chunk_size(total_bytes, n_nodes)
 
 
 def ideal_seconds(mbytes: float, link_MBps: float) -> float:
@@ -74,7 +82,7 @@ def simulate(
     n_nodes: int,
     mbytes: float,
     link_MBps: float,
-    chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+    chunk_bytes: int | None = None,
     *,
     hub_MBps: float | None = None,
     upload_MBps: Sequence[float] | None = None,
@@ -91,9 +99,11 @@ def simulate(
     all reachable); the hub uploads at ``hub_MBps`` (default ``link_MBps``)."""
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}")
-    if n_nodes < 1 or mbytes <= 0 or link_MBps <= 0 or chunk_bytes <= 0:
+    if n_nodes < 1 or mbytes <= 0 or link_MBps <= 0 or (chunk_bytes is not None and chunk_bytes <= 0):
         raise ValueError("n_nodes, mbytes, link_MBps and chunk_bytes must be positive")
     total = int(round(mbytes * MB))
+    if chunk_bytes is None:
+        chunk_bytes = chunk_size_for(total, n_nodes)
     k = max(1, -(-total // chunk_bytes))
     sizes = [chunk_bytes] * (k - 1) + [total - chunk_bytes * (k - 1)]
     names = [f"n{i}" for i in range(n_nodes)]
@@ -229,6 +239,7 @@ def simulate(
         peer_sent_bytes=sent["peer"],
         ideal_seconds=total / hub_bps if hub_MBps is not None else ideal_seconds(mbytes, link_MBps),
         n_chunks=k,
+        chunk_bytes=chunk_bytes,
         stripes=plan.stripes,
         depth=plan.max_depth(),
         node_seconds={n: done_at[n] for n in names},
@@ -245,7 +256,7 @@ SCHEMES: dict[str, dict[str, int | None]] = {
 
 
 def scheme_table(
-    n_list: Sequence[int], mbytes: float = 256.0, link_MBps: float = 10.0, chunk_bytes: int = DEFAULT_CHUNK_BYTES
+    n_list: Sequence[int], mbytes: float = 256.0, link_MBps: float = 10.0, chunk_bytes: int | None = LEGACY_CHUNK_BYTES
 ) -> list[dict[str, float | int | str]]:
     """The comparison that chose the planner's default (ratio = last node time / ideal)."""
     rows: list[dict[str, float | int | str]] = []

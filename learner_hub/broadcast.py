@@ -109,6 +109,8 @@ class PipelinedSender(HubSide):
         super().__init__(publisher, node_info)
         self.identity = identity
         self.hub = identity.peer_id
+        # the chunk size of each version follows the fleet it is planned over (protocol.chunking)
+        publisher.fleet_size = lambda: len(self.links)
         self.hub_upload_Bps = hub_upload_MBps * 1e6 if hub_upload_MBps > 0 else UNLIMITED_BPS
         self.data_addr = data_addr
         self.stripes = stripes

@@ -138,7 +138,7 @@ class HubConfig:
     task_target_s: Annotated[float, _doc("tasks are sized to take about this long on their node", gt=0)] = 2.0
     node_silence_s: Annotated[float, _doc("drop a node silent this long (0 = default, 30 s)", ge=0)] = 0.0
     # dissemination
-    chunk_bytes: Annotated[int, _doc("0 = packing default", ge=0)] = 0
+    chunk_bytes: Annotated[int, _doc("0 = chosen per version from its size and the fleet (protocol.chunking)", ge=0)] = 0
     broadcast: Annotated[Literal["pipelined", "star"], _doc("pipelined (peer-assisted relay trees) | star (hub sends to every node)")] = "star"
     activation: Annotated[Literal["cost", "all"], _doc("cost: free nodes + cheapest cover of R* among paid ones | all")] = "cost"
     activation_margin: Annotated[float, _doc("R* = margin * B / T_train", gt=0)] = 1.25

@@ -18,6 +18,7 @@ under the shallowest interior node of that stripe with spare capacity, else unde
 from __future__ import annotations
 
 import dataclasses
+import heapq
 import logging
 import math
 from collections import deque
@@ -187,11 +188,16 @@ def plan_broadcast(
         # Enough slots for every node not under the hub; if not, widen the fastest nodes.
         need = total - min(hub_cap, total)
         have = sum(capacity[n.node_id] for n in inner)
-        i = 0
-        while inner and have < need:
-            capacity[inner[i % len(inner)].node_id] += 1
+        # Each extra slot goes to the relay whose children would then get the most upload each
+        # (upload / (slots + 1)), not round-robin: on a log-uniform 2-125 MB/s fleet with 70%
+        # NATed leaves, round-robin overloaded the 5 MB/s relays as much as the 100 MB/s ones.
+        widen = [(-n.upload_Bps / (capacity[n.node_id] + 1), n.node_id, n.upload_Bps) for n in inner]
+        heapq.heapify(widen)
+        while widen and have < need:
+            _, nid, up = heapq.heappop(widen)
+            capacity[nid] += 1
             have += 1
-            i += 1
+            heapq.heappush(widen, (-up / (capacity[nid] + 1), nid, up))
         others = [n for n in eligible if interior[n.node_id] != s]
         order = [n.node_id for n in inner] + [n.node_id for n in others] + [n.node_id for n in order_rest]
         parent: dict[str, str] = {}
@@ -263,13 +269,26 @@ def check_plan(plan: Plan) -> None:
 def _attach(plan: Plan, s: int, node: str, depth: dict[str, int], exclude: set[str]) -> None:
     children = plan.children[s]
     best: tuple[int, str] | None = None
+    # No spare slot anywhere: the least loaded relay (load = children per slot) takes one more
+    # child rather than the hub. An extra hub child slows every node, an extra relay child only
+    # that relay's subtree: with all slots used (the usual case, plan_broadcast fills them), the
+    # WAN simulator's 10% churn put every orphan and joiner under the hub and took N = 200 from
+    # 1.02 to 29 x the fluid bound.
+    spill: tuple[float, int, str] | None = None
     for cand, st in plan.interior.items():
         if st != s or cand in exclude or cand not in depth:
             continue
-        if len(children.get(cand, ())) < plan.capacity.get(cand, 0):
+        n_children, cap = len(children.get(cand, ())), plan.capacity.get(cand, 0)
+        if n_children < cap:
             key = (depth[cand], cand)
             if best is None or key < best:
                 best = key
+        elif best is None and cap > 0:
+            skey = ((n_children + 1) / cap, depth[cand], cand)
+            if spill is None or skey < spill:
+                spill = skey
+    if best is None and spill is not None:
+        best = (spill[1], spill[2])
     p = plan.hub if best is None else best[1]
     plan.parent[s][node] = p
     children.setdefault(p, []).append(node)

@@ -18,7 +18,7 @@ from typing import Any, Protocol
 import trio
 
 from echo2.models import statedict
-from echo2.protocol import envelope, packing
+from echo2.protocol import chunking, envelope, packing
 from echo2.protocol.errors import Echo2Error
 from echo2.protocol.identity import Identity
 from echo2.protocol.wire import ENC_FULL, ENC_MANIFEST, pack_chunk_frame
@@ -65,7 +65,12 @@ class PolicyPublisher:
         self.identity = identity
         self.model_config = model_config
         self.artifacts = artifacts
-        self.chunk_size = int(cfg.chunk_bytes) or packing.DEFAULT_CHUNK_SIZE
+        # 0: each version's chunk size comes from its size and the fleet (protocol.chunking);
+        # nodes take any size the signed manifest names within packing's limits
+        self.fixed_chunk_size = int(cfg.chunk_bytes)
+        self.chunk_size = self.fixed_chunk_size or packing.DEFAULT_CHUNK_SIZE
+        #: how many nodes a version goes to (the pipelined sender sets it; None: one node)
+        self.fleet_size: Callable[[], int] | None = None
         self.full_every = int(cfg.full_every)
         # a LoRA policy's base chunks never change: snapshots keep them as zero deltas (packing)
         lo = getattr(cfg, "lora", None)
@@ -85,8 +90,19 @@ class PolicyPublisher:
     def latest_version(self) -> int:
         return self.latest.version if self.latest else -1
 
+    def chunk_size_for(self, total_bytes: int) -> int:
+        """The chunk size of the next version of ``total_bytes`` raw bytes."""
+        if self.fixed_chunk_size:
+            return self.fixed_chunk_size
+        n = max(1, self.fleet_size()) if self.fleet_size is not None else 1
+        chosen = chunking.choose_chunk_size(max(1, total_bytes), n)
+        prev = self.latest.packed.manifest.chunk_size if self.latest else None
+        return chunking.stable_chunk_size(prev, chosen)
+
     async def publish(self, version: int, state_dict: dict[str, Any]) -> Published:
         parent = self.latest.packed if self.latest else None
+        total = sum(int(t.numel()) * int(t.element_size()) for t in state_dict.values())
+        self.chunk_size = self.chunk_size_for(total)
 
         def pack() -> Any:
             return statedict.pack_version(

@@ -28,6 +28,8 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--hub-peer", required=True, help="hub peer ID")
     p.add_argument("--dir", required=True, help="data directory (key and chunk store)")
     p.add_argument("--upload-MBps", dest="upload_MBps", type=float, default=0.0)
+    p.add_argument("--announce-MBps", dest="announce_MBps", type=float, default=0.0,
+                   help="upload told the hub's planner (default: --upload-MBps); for links shaped by the kernel")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--stall-s", dest="stall_s", type=float, default=RelayConfig.stall_timeout_s)
     p.add_argument("--corrupt", action="store_true", help="fault injection: corrupt every chunk sent")
@@ -41,7 +43,7 @@ def main(argv: list[str] | None = None) -> int:
     os.makedirs(args.dir, exist_ok=True)
     identity = load_or_create_identity(os.path.join(args.dir, "node.key"))
     store = ChunkStore(os.path.join(args.dir, "store"))
-    cfg = RelayConfig(upload_MBps=args.upload_MBps, stall_timeout_s=args.stall_s, corrupt_sends=args.corrupt)
+    cfg = RelayConfig(upload_MBps=args.upload_MBps, announce_MBps=args.announce_MBps, stall_timeout_s=args.stall_s, corrupt_sends=args.corrupt)
 
     async def amain() -> None:
         node = RelayNode(identity, store, args.hub_peer, args.hub_addr, cfg, host=args.host)

@@ -201,7 +201,7 @@ class RelayNode:
                 )
                 backoff.reset()
                 async with conn:
-                    await conn.send_request(encode_request(REQ_HELLO, addr=self.data_addr, up=float(self.cfg.upload_MBps)))
+                    await conn.send_request(encode_request(REQ_HELLO, addr=self.data_addr, up=float(self.cfg.announce_MBps or self.cfg.upload_MBps)))
                     await self._link_main(conn)
                 delay = backoff.failed()  # a link that ended is retried soon, then less often
             except (Echo2Error, OSError) as exc:

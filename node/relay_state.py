@@ -15,6 +15,8 @@ from echo2.protocol.relay import Relay
 @dataclass
 class RelayConfig:
     upload_MBps: float = 0.0  # token-bucket cap on everything this node uploads (0 = none)
+    # upload told the hub's planner (0: upload_MBps); a link shaped outside (bench --netns) has no bucket
+    announce_MBps: float = 0.0
     stall_timeout_s: float = 3.0
     request_timeout_s: float = 6.0
     window: int = 2  # chunks in flight per child

@@ -1,0 +1,221 @@
+"""A small emulated LAN of Linux network namespaces with kernel-shaped uploads (for benches/tests).
+
+Topology (all made here, all removed by :meth:`Net.teardown`, on exit and on SIGTERM)::
+
+    namespace <prefix>sw   : bridge br0, one port p<i> per host
+    namespace <prefix>h<i> : eth0 = veth peer of p<i>, address <subnet>.<i+1>/24,
+                             the kernel's tbf on eth0 egress = the host's UPLOAD
+
+Only uploads are shaped (rate in MB/s = 10**6 bytes/s at layer 2); a host's download is limited
+only by its senders' uploads, as the data plane's token bucket models it. Traffic never leaves the
+namespaces made here. Needs root, iproute2 (``ip``, ``tc``) and the veth, bridge and sch_tbf
+kernel modules; :func:`available` says whether they can be made here. (Ported from the session's
+``tools/netshape.py``; on this kernel tbf at 8 MB/s measured 7.6-7.9 MB/s for one TCP flow,
+``netem`` is not available.)
+
+Use::
+
+    with Net(n_hosts=9, rate_MBps=8) as net:     # h0..h8
+        p = net.popen(0, [sys.executable, "-m", "http.server"])
+        with net.inside(0):                       # this thread's sockets in h0
+            ...
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import signal
+import subprocess
+import uuid
+from collections.abc import Iterator, Sequence
+from types import FrameType
+from typing import Any
+
+DEFAULT_SUBNET = "10.213.0"
+CLONE_NEWNET = 0x40000000
+
+
+def _sh(argv: Sequence[str], check: bool = True) -> subprocess.CompletedProcess[str]:
+    r = subprocess.run(list(argv), capture_output=True, text=True, timeout=30)
+    if check and r.returncode != 0:
+        raise RuntimeError(f"{' '.join(argv)} failed ({r.returncode}): {r.stderr.strip()}")
+    return r
+
+
+def list_netns(prefix: str) -> list[str]:
+    r = _sh(["ip", "netns", "list"], check=False)
+    names = [line.split()[0] for line in r.stdout.splitlines() if line.strip()]
+    return [n for n in names if n.startswith(prefix)]
+
+
+def teardown_prefix(prefix: str) -> list[str]:
+    """Remove every namespace named ``<prefix>*`` (leftovers of a crashed run); what is left."""
+    for name in list_netns(prefix):
+        _sh(["ip", "netns", "del", name], check=False)
+    return list_netns(prefix)
+
+
+def available() -> str | None:
+    """None if namespaces with veth, bridge and tbf can be made here, else why not."""
+    if os.geteuid() != 0:
+        return "needs root"
+    if not (shutil.which("ip") and shutil.which("tc")):
+        return "needs iproute2 (ip, tc)"
+    try:
+        with Net(1, 8.0, prefix=f"e2p{uuid.uuid4().hex[:6]}"):
+            pass
+    except (RuntimeError, OSError, subprocess.SubprocessError) as e:
+        return f"cannot make namespaces: {e}"
+    return None
+
+
+def _setns(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        if hasattr(os, "setns"):  # Python >= 3.12
+            os.setns(fd, CLONE_NEWNET)
+        else:
+            import ctypes
+
+            libc = ctypes.CDLL(None, use_errno=True)
+            if libc.setns(fd, CLONE_NEWNET) != 0:
+                err = ctypes.get_errno()
+                raise OSError(err, f"setns({path}): {os.strerror(err)}")
+    finally:
+        os.close(fd)
+
+
+class Net:
+    """``n_hosts`` namespaces on one bridge, each host's upload shaped to ``rate_MBps``."""
+
+    def __init__(self, n_hosts: int, rate_MBps: float, *, prefix: str | None = None, subnet: str = DEFAULT_SUBNET,
+                 burst: str = "32kb", latency: str = "50ms", mtu: int = 1500) -> None:
+        if not 1 <= n_hosts <= 250:
+            raise ValueError("n_hosts must be in 1..250")
+        if rate_MBps <= 0:
+            raise ValueError("rate_MBps must be positive")
+        self.n = n_hosts
+        self.rate_MBps = float(rate_MBps)
+        # a fresh prefix per run: two runs at once (or a crashed one's leftovers) never collide
+        self.prefix = prefix or f"e2{uuid.uuid4().hex[:6]}"
+        self.subnet = subnet
+        self.burst, self.latency, self.mtu = burst, latency, mtu
+        self.sw = self.prefix + "sw"
+        self._procs: list[subprocess.Popen[Any]] = []
+        self._up = False
+        self._old_term: Any = None
+
+    def ns(self, i: int) -> str:
+        return f"{self.prefix}h{i}"
+
+    def ip(self, i: int) -> str:
+        return f"{self.subnet}.{i + 1}"
+
+    # --- lifecycle ------------------------------------------------------------------------------
+    def setup(self) -> Net:
+        leftovers = list_netns(self.prefix)
+        if leftovers:
+            raise RuntimeError(f"namespaces with prefix {self.prefix!r} already exist: {leftovers}")
+        self._up = True  # from here on, teardown() must run
+        rate_bit = int(self.rate_MBps * 8e6)
+        _sh(["ip", "netns", "add", self.sw])
+        _sh(["ip", "-n", self.sw, "link", "add", "br0", "type", "bridge"])
+        _sh(["ip", "-n", self.sw, "link", "set", "br0", "up"])
+        for i in range(self.n):
+            h, port = self.ns(i), f"p{i}"
+            _sh(["ip", "netns", "add", h])
+            _sh(["ip", "link", "add", "name", port, "netns", self.sw, "type", "veth", "peer", "name", "eth0", "netns", h])
+            _sh(["ip", "-n", self.sw, "link", "set", port, "mtu", str(self.mtu), "master", "br0", "up"])
+            _sh(["ip", "-n", h, "link", "set", "lo", "up"])
+            _sh(["ip", "-n", h, "link", "set", "eth0", "mtu", str(self.mtu), "up"])
+            _sh(["ip", "-n", h, "addr", "add", self.ip(i) + "/24", "dev", "eth0"])
+            _sh(["ip", "netns", "exec", h, "tc", "qdisc", "replace", "dev", "eth0", "root", "tbf",
+                 "rate", f"{rate_bit}bit", "burst", self.burst, "latency", self.latency])
+        return self
+
+    def teardown(self) -> None:
+        for p in list(self._procs):
+            self.kill(p)
+        if not self._up:
+            return
+        errors = []
+        for i in range(self.n):
+            _sh(["ip", "-n", self.sw, "link", "del", f"p{i}"], check=False)
+        for name in [self.ns(i) for i in range(self.n)] + [self.sw]:
+            r = _sh(["ip", "netns", "del", name], check=False)
+            if r.returncode != 0 and "No such file" not in r.stderr:
+                errors.append((name, r.stderr.strip()))
+        self._up = False
+        left = list_netns(self.prefix)
+        if left or errors:
+            raise RuntimeError(f"teardown incomplete: left={left} errors={errors}")
+
+    def _on_term(self, signum: int, frame: FrameType | None) -> None:
+        raise KeyboardInterrupt(f"signal {signum}")  # unwinds through __exit__: teardown runs
+
+    def __enter__(self) -> Net:
+        try:
+            self._old_term = signal.signal(signal.SIGTERM, self._on_term)
+        except ValueError:  # not the main thread: the caller's own handler must tear down
+            self._old_term = None
+        try:
+            return self.setup()
+        except BaseException:
+            self.teardown()
+            raise
+
+    def __exit__(self, *exc: object) -> None:
+        try:
+            self.teardown()
+        finally:
+            if self._old_term is not None:
+                signal.signal(signal.SIGTERM, self._old_term)
+
+    # --- processes and sockets ------------------------------------------------------------------
+    def popen(self, i: int, argv: Sequence[str], **kw: Any) -> subprocess.Popen[Any]:
+        """Start ``argv`` inside host ``i``'s namespace, in its own process group."""
+        kw.setdefault("start_new_session", True)
+        p: subprocess.Popen[Any] = subprocess.Popen(["ip", "netns", "exec", self.ns(i), *argv], **kw)
+        self._procs.append(p)
+        return p
+
+    def kill(self, p: subprocess.Popen[Any], grace: float = 2.0) -> None:
+        """Stop a process started by :meth:`popen` and its process group (and only those)."""
+        if p.poll() is None:
+            for sig, wait in ((signal.SIGTERM, grace), (signal.SIGKILL, 5.0)):
+                try:
+                    os.killpg(p.pid, sig)
+                except ProcessLookupError:
+                    break
+                try:
+                    p.wait(timeout=wait)
+                    break
+                except subprocess.TimeoutExpired:
+                    continue
+        else:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(p.pid, signal.SIGKILL)  # leader gone; its group may remain
+        if p in self._procs:
+            self._procs.remove(p)
+
+    @contextlib.contextmanager
+    def inside(self, i: int) -> Iterator[None]:
+        """Run this thread in host ``i``'s namespace: sockets it opens (and threads it starts,
+        which inherit the namespace) live there. Back in the original namespace on exit."""
+        orig = os.open(f"/proc/self/task/{_tid()}/ns/net", os.O_RDONLY)
+        try:
+            _setns(f"/run/netns/{self.ns(i)}")
+            try:
+                yield
+            finally:
+                _setns(f"/proc/self/fd/{orig}")
+        finally:
+            os.close(orig)
+
+
+def _tid() -> int:
+    import threading
+
+    return threading.get_native_id()
