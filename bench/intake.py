@@ -37,6 +37,7 @@ from typing import Any
 
 SMALL_COMPLETIONS = 8
 SMALL_TOKENS = 64
+TIMED_RATE = 0.01  # rollouts/s: a small task is expected to take 800 s
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -126,7 +127,10 @@ async def measure(hub: Any, n_nodes: int, n_results: int, n_holds: int, n_status
     assert len(hub.nodes) == n_nodes, "every bench node is admitted"
     by_peer = {n.peer_id: n for n in nodes}
     for p, st in hub.dispatcher.nodes.items():
-        st.claimed, st.rate = False, 8.0  # set-up shortcut: as if the hub had timed one task of each
+        # set-up shortcut: as if the hub had timed one task of each, at a rate slow enough that no
+        # task looks lost while the bench runs (at 8 rollouts/s a 1-group task is expected in 1 s and
+        # stops counting as supply after 3 s: the refill would then double the work out)
+        st.claimed, st.rate = False, TIMED_RATE
         hub.nodes[p].held_version = 0  # set-up shortcut: as if each had sent HoldsVersion(0)
     t0 = time.perf_counter()
     hub.outbox.feed()
@@ -254,7 +258,7 @@ def run(args: argparse.Namespace) -> int:
         "measures": ("in-process: a real Hub's handlers called directly with real signed messages from N admitted "
                      "identities; CPU per message of the trio thread (loop_cpu_ms) and of the whole process "
                      "(process_cpu_ms, store and reward threads included); the libp2p stream cost is not included"),
-        "setup_shortcuts": ["nodes marked hub-timed after admission (as if each had returned one task)",
+        "setup_shortcuts": [f"nodes marked hub-timed after admission (as if each had returned one task) at {TIMED_RATE} rollouts/s",
                             "held_version=0 set directly after admission (holds are measured on a sample)",
                             "the learner is a stand-in that takes buffered rows between results, untimed"],
         "small_result": {"completions": SMALL_COMPLETIONS, "tokens_each": SMALL_TOKENS},
