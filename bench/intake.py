@@ -12,9 +12,12 @@ issue) is not in these figures. Per fleet size it reports, as medians over the m
   (``process_cpu_ms``: the store's and the reward functions' threads too), and wall time;
 * ``heartbeat``: :meth:`Hub.on_work` of a node with a task waiting (it pumps, then returns it);
 * ``holds``: :meth:`Hub.on_holds` (a node reports it holds version 0);
-* ``status``: building the status dict on the loop, and the longest the loop was kept from
-  running (a 1 ms ticker) while the hub wrote status.json (json encoding holds the GIL even in a
-  thread);
+* ``status``: building the whole status dict at once (what ``/status.json`` does), and the
+  longest the loop was kept from running (a 1 ms ticker) while the hub wrote status.json (json
+  encoding holds the GIL even in a thread), next to the same ticker's longest gap on an idle loop
+  for as long (``idle_loop_gap_max_ms``: what the machine's scheduler alone costs), and the
+  longest CPU stretch of the write that held the loop or the GIL (one chunk built on the loop
+  or encoded in the thread: ``write_longest_stretch_cpu_ms``, free of the scheduler's noise);
 * ``housekeeping``: one pass of the hub's once-a-second duties (expiry, liveness, fleet tick).
 
 Set-up shortcuts, each stated in the JSON: nodes are admitted through :meth:`Hub.on_admission`
@@ -27,6 +30,7 @@ window) so that the pipeline keeps issuing tasks, as it does while training.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import random
 import statistics
@@ -86,12 +90,15 @@ def make_hub(n_nodes: int, workdir: Path) -> Any:
 
     cfg = HubConfig(dir=str(workdir), steps=10**6, prompts_per_step=n_nodes, group_size=SMALL_COMPLETIONS,
                     max_new_tokens=SMALL_TOKENS, staleness=1, task_deadline_s=3600.0)
-    return Hub(cfg)
+    hub = Hub(cfg)
+    gc.freeze()  # as run_hub does: start-up's objects are never scanned by a collection again
+    return hub
 
 
 async def measure(hub: Any, n_nodes: int, n_results: int, n_holds: int, n_status: int, workdir: Path) -> dict[str, Any]:
     import trio
 
+    from echo2.learner_hub import hubstatus
     from echo2.learner_hub.store import HubStore
     from echo2.protocol import envelope
     from echo2.protocol.identity import Identity
@@ -189,7 +196,7 @@ async def measure(hub: Any, n_nodes: int, n_results: int, n_holds: int, n_status
         res["holds_loop"].append(c.loop_ms)
         res["holds_proc"].append(c.process_ms)
 
-    build, block, write_wall = [], [], []
+    build, block, write_wall, idle, stretch = [], [], [], [], []
     for _ in range(n_status):
         with _Cpu() as c:
             hub.status()
@@ -204,6 +211,16 @@ async def measure(hub: Any, n_nodes: int, n_results: int, n_holds: int, n_status
             stop.set()
         write_wall.append(c.wall_ms)
         block.append(max(gaps) if gaps else 0.0)
+        stretch.append(hubstatus.last_write.get("longest_stretch_ms", float("nan")))
+        # the same ticker for as long with nothing else to do: what this (shared) machine's
+        # scheduler alone costs the loop, to read the figure above against
+        gaps = []
+        stop = trio.Event()
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(_ticker, gaps, stop)
+            await trio.sleep(0.01 + c.wall_ms / 1e3)
+            stop.set()
+        idle.append(max(gaps) if gaps else 0.0)
     status_bytes = (workdir / "status.json").stat().st_size
 
     house = []
@@ -225,7 +242,9 @@ async def measure(hub: Any, n_nodes: int, n_results: int, n_holds: int, n_status
         "heartbeat": {"loop_cpu_ms": _stats(res["hb_loop"]), "process_cpu_ms": _stats(res["hb_proc"])},
         "holds": {"loop_cpu_ms": _stats(res["holds_loop"]), "process_cpu_ms": _stats(res["holds_proc"])},
         "status": {"build_loop_cpu_ms": _stats(build), "write_loop_blocked_max_ms": _stats(block),
-                   "write_wall_ms": _stats(write_wall), "bytes": status_bytes},
+                   "write_wall_ms": _stats(write_wall),
+                   "write_longest_stretch_cpu_ms": _stats(stretch),
+                   "idle_loop_gap_max_ms": _stats(idle), "bytes": status_bytes},
         "housekeeping": {"loop_cpu_ms": _stats(house)},
     }
 
@@ -251,6 +270,8 @@ def run(args: argparse.Namespace) -> int:
               f"  heartbeat {row['heartbeat']['loop_cpu_ms']['median']:.3f} ms  holds {row['holds']['loop_cpu_ms']['median']:.3f} ms"
               f"  status build {row['status']['build_loop_cpu_ms']['median']:.1f} ms,"
               f" loop blocked {row['status']['write_loop_blocked_max_ms']['median']:.1f} ms"
+              f" (idle {row['status']['idle_loop_gap_max_ms']['median']:.1f} ms,"
+              f" longest CPU stretch {row['status']['write_longest_stretch_cpu_ms']['median']:.1f} ms)"
               f"  housekeeping {row['housekeeping']['loop_cpu_ms']['median']:.1f} ms  (setup: admit {row['setup']['admit_s']} s)",
               flush=True)
     out: dict[str, Any] = {
