@@ -16,8 +16,8 @@ issue) is not in these figures. Per fleet size it reports, as medians over the m
   longest the loop was kept from running (a 1 ms ticker) while the hub wrote status.json (json
   encoding holds the GIL even in a thread), next to the same ticker's longest gap on an idle loop
   for as long (``idle_loop_gap_max_ms``: what the machine's scheduler alone costs), and the
-  longest CPU stretch of the write that held the loop or the GIL (one chunk built on the loop
-  or encoded in the thread: ``write_longest_stretch_cpu_ms``, free of the scheduler's noise);
+  loop thread's CPU for the whole write (``write_loop_cpu_ms``) and the longest single
+  ``json.dumps`` in the writer's thread, which holds the GIL (``write_longest_stretch_cpu_ms``);
 * ``housekeeping``: one pass of the hub's once-a-second duties (expiry, liveness, fleet tick).
 
 Set-up shortcuts, each stated in the JSON: nodes are admitted through :meth:`Hub.on_admission`
@@ -197,10 +197,14 @@ async def measure(hub: Any, n_nodes: int, n_results: int, n_holds: int, n_status
         res["holds_proc"].append(c.process_ms)
 
     build, block, write_wall, idle, stretch = [], [], [], [], []
+    write_loop = []
     for _ in range(n_status):
         with _Cpu() as c:
             hub.status()
         build.append(c.loop_ms)
+        with _Cpu() as c:
+            await hub.write_status()  # alone: the loop thread's CPU is the write's
+        write_loop.append(c.loop_ms)
         gaps: list[float] = []
         stop = trio.Event()
         async with trio.open_nursery() as nursery:
@@ -242,7 +246,7 @@ async def measure(hub: Any, n_nodes: int, n_results: int, n_holds: int, n_status
         "heartbeat": {"loop_cpu_ms": _stats(res["hb_loop"]), "process_cpu_ms": _stats(res["hb_proc"])},
         "holds": {"loop_cpu_ms": _stats(res["holds_loop"]), "process_cpu_ms": _stats(res["holds_proc"])},
         "status": {"build_loop_cpu_ms": _stats(build), "write_loop_blocked_max_ms": _stats(block),
-                   "write_wall_ms": _stats(write_wall),
+                   "write_wall_ms": _stats(write_wall), "write_loop_cpu_ms": _stats(write_loop),
                    "write_longest_stretch_cpu_ms": _stats(stretch),
                    "idle_loop_gap_max_ms": _stats(idle), "bytes": status_bytes},
         "housekeeping": {"loop_cpu_ms": _stats(house)},
@@ -269,6 +273,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"nodes={n:>6}  result loop {r['loop_cpu_ms']['median']:.3f} ms  process {r['process_cpu_ms']['median']:.3f} ms"
               f"  heartbeat {row['heartbeat']['loop_cpu_ms']['median']:.3f} ms  holds {row['holds']['loop_cpu_ms']['median']:.3f} ms"
               f"  status build {row['status']['build_loop_cpu_ms']['median']:.1f} ms,"
+              f" write: loop CPU {row['status']['write_loop_cpu_ms']['median']:.1f} ms,"
               f" loop blocked {row['status']['write_loop_blocked_max_ms']['median']:.1f} ms"
               f" (idle {row['status']['idle_loop_gap_max_ms']['median']:.1f} ms,"
               f" longest CPU stretch {row['status']['write_longest_stretch_cpu_ms']['median']:.1f} ms)"

@@ -1,10 +1,10 @@
 """The hub's status: one dict for status.json, the status page and /metrics.
 
 Built on the loop (it reads live state), serialized and written in a thread: the loop never
-waits on json or the disk for it. The periodic write (:func:`write_status_in_chunks`) builds and
-encodes the per-node entries a few hundred at a time, yielding between chunks: at 10,000 nodes
-building them took ~100 ms and encoding them in one ``json.dumps`` (which holds the GIL, thread
-or not) kept the loop from running for ~330 ms (`echo2 bench intake`).
+waits on json or the disk for it. The periodic write (:func:`write_status_in_chunks`) builds the
+per-node parts in its thread too and encodes them a few hundred at a time: at 10,000 nodes
+building them took the loop ~100 ms and encoding them in one ``json.dumps`` (which holds the
+GIL, thread or not) kept the loop from running for ~330 ms (`echo2 bench intake`).
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ if TYPE_CHECKING:
     from .ledger import AccountRow
 
 
-NODES_PER_CHUNK = 250  # ~2.5 ms of building or encoding on this machine (measured at 10,000 nodes)
+NODES_PER_CHUNK = 250  # one json.dumps of 250 entries: ~0.5 ms of GIL on this machine
 
 
 def hub_status(hub: Hub, *, with_nodes: bool = True) -> dict[str, Any]:
@@ -100,42 +100,42 @@ def node_entry(hub: Hub, n: NodeInfo, now: float) -> dict[str, Any]:
 
 
 async def write_status_in_chunks(hub: Hub, path: Path, extra: dict[str, Any]) -> None:
-    """status.json as :func:`hub_status` | ``extra`` has it, without holding the loop: node
-    entries are built on the loop a chunk at a time (other tasks run between chunks) and encoded
-    in a thread a chunk at a time (the GIL passes back to the loop between ``json.dumps`` calls)."""
+    """status.json as :func:`hub_status` | ``extra`` has it, without holding the loop. The loop
+    builds the fleet-wide part and snapshots the lists of nodes and ledger accounts; a thread
+    builds the per-node entries and ledger totals and encodes them a chunk at a time.
+
+    Why a thread may read live state here: it only reads, the lists it walks are the loop's
+    snapshots, and each live figure it reads is one attribute or one dict lookup or copy, which
+    the GIL makes atomic (a node that leaves meanwhile is still listed, as it was at the snapshot).
+    Its Python code gives the GIL back to the loop every switch interval (5 ms); ``json.dumps``
+    does not, so it encodes one chunk per call.
+    """
     base = hub_status(hub, with_nodes=False) | extra
     now = time.time()
-    nodes = list(hub.fleet.nodes.values())  # the nodes as of now; entries read each one's live figures
-    chunks: list[list[dict[str, Any]]] = []
-    longest = 0.0  # the longest stretch the loop or the GIL was held for, in CPU seconds
-    for i in range(0, len(nodes), NODES_PER_CHUNK):
-        t0 = time.thread_time()
-        chunks.append([node_entry(hub, n, now) for n in nodes[i:i + NODES_PER_CHUNK]])
-        longest = max(longest, time.thread_time() - t0)
-        await trio.sleep(0)
-    peers, rows = hub.ledger.peers(), cast("list[AccountRow]", [])
-    for i in range(0, len(peers), NODES_PER_CHUNK):
-        t0 = time.thread_time()
-        rows.extend(r for p in peers[i:i + NODES_PER_CHUNK] if (r := hub.ledger.row(p, now)) is not None)
-        longest = max(longest, time.thread_time() - t0)
-        await trio.sleep(0)
+    nodes, peers = list(hub.fleet.nodes.values()), hub.ledger.peers()
+    longest = 0.0  # the longest json.dumps (the GIL held throughout), CPU seconds
 
     def encode(c: Any) -> str:
         nonlocal longest
         t0 = time.thread_time()
-        out = json.dumps(c)  # holds the GIL throughout: one chunk at a time
+        out = json.dumps(c)
         longest = max(longest, time.thread_time() - t0)
         return out
 
-    def encode_and_write() -> None:
+    def build_and_write() -> None:
+        body = []
+        for i in range(0, len(nodes), NODES_PER_CHUNK):
+            text = encode([node_entry(hub, n, now) for n in nodes[i:i + NODES_PER_CHUNK]])
+            if len(text) > 2:
+                body.append(text[1:-1])
+        rows = cast("list[AccountRow]", [r for p in peers if (r := hub.ledger.row(p, now)) is not None])
         base.pop("nodes", None)
         base["ledger"] = totals_of(rows).as_dict()
         head = encode(base)
-        body = ",".join(s[1:-1] for s in (encode(c) for c in chunks) if len(s) > 2)
-        text = (head[:-1] + ", " if len(head) > 2 else "{") + f'"nodes": [{body}]}}'
+        text = (head[:-1] + ", " if len(head) > 2 else "{") + '"nodes": [' + ",".join(body) + "]}"
         atomic_write(path, text, durable=False)
 
-    await trio.to_thread.run_sync(encode_and_write)
+    await trio.to_thread.run_sync(build_and_write)
     last_write["longest_stretch_ms"] = round(longest * 1e3, 3)
 
 
