@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any, Generic, TypeVar
 
-from .dispatch_index import CountOn, NodeIndex, plan
+from .dispatch_index import CountOn, Deadlines, NodeIndex, plan
 
 log = logging.getLogger(__name__)
 
@@ -126,7 +126,7 @@ class NodeState:
         # the dispatcher's indexes follow rate, probation and activity, whoever assigns them
         object.__setattr__(self, name, value)
         hook = self.__dict__.get("_on_change")
-        if hook is not None and name in ("rate", "claimed", "active"):
+        if hook is not None and name in ("rate", "claimed", "active", "completed_tasks"):
             hook(self, name)
 
 
@@ -197,7 +197,8 @@ class Dispatcher:
         self.eval_queue: deque[PromptGroup] = deque()
         self.eval_tasks: set[str] = set()
         self.index = NodeIndex(self.config.max_in_flight_per_node)
-        self._count_on = CountOn()
+        self._count_on, self._deadlines = CountOn(), Deadlines()
+        self.timing_changed: set[str] = set()
 
     # ---- queue and nodes -------------------------------------------------------------------
     def submit(self, groups: Iterable[PromptGroup]) -> None:
@@ -217,6 +218,7 @@ class Dispatcher:
 
     def _node_changed(self, st: NodeState, name: str) -> None:
         self.index.update(st)
+        self.timing_changed.add(st.node_id)  # the fleet's overclaim check reads these (drained each second)
         if name == "claimed":
             self._count_on.node_timed(st.in_flight, not st.claimed)
 
@@ -353,6 +355,7 @@ class Dispatcher:
         self.in_flight[task.task_id] = task
         st.in_flight.add(task.task_id)  # the caller re-indexes st (not while it walks the index)
         self._count_on.opened(task.task_id, st.node_id, now + 2 * expected + 1.0, len(groups), not st.claimed)
+        self._deadlines.add(task.task_id, deadline)
         self.stats.issued += 1
         return task
 
@@ -454,7 +457,7 @@ class Dispatcher:
     def expire(self, now: float) -> list[str]:
         """Close tasks past their deadline; their prompts go back to the front of the queue."""
         # newest first (in_flight is in issue order) so the oldest prompts end up in front
-        late = [t for t in reversed(self.in_flight.values()) if now > t.deadline]
+        late = self._deadlines.due(now, self.in_flight)
         for t in late:
             self.stats.expired += 1
             st = self.nodes.get(t.node_id)

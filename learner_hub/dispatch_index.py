@@ -115,6 +115,31 @@ def _sorted_change(seq: list[Any], item: Any, sign: int) -> None:
             del seq[i]
 
 
+class Deadlines:
+    """Tasks by deadline: ``Dispatcher.expire`` pops the overdue ones instead of scanning every
+    task in flight each second (closed tasks leave their entry to be skipped when due)."""
+
+    def __init__(self) -> None:
+        self._heap: list[tuple[float, int, str]] = []
+        self._seq = 0
+
+    def add(self, task_id: str, deadline: float) -> None:
+        self._seq += 1
+        heapq.heappush(self._heap, (deadline, self._seq, task_id))
+
+    def due(self, now: float, in_flight: dict[str, TaskAssignment]) -> list[TaskAssignment]:
+        """The tasks in flight with ``now > deadline``, newest first (in issue order, reversed)."""
+        out: list[tuple[int, TaskAssignment]] = []
+        heap = self._heap
+        while heap and heap[0][0] < now:
+            deadline, seq, tid = heapq.heappop(heap)
+            t = in_flight.get(tid)
+            if t is not None and t.deadline == deadline:
+                out.append((seq, t))
+        out.sort(key=lambda e: e[0], reverse=True)
+        return [t for _, t in out]
+
+
 class CountOn:
     """Prompt groups in flight that the pipeline may count on: tasks of timed nodes until
     ``issued_at + 2 * expected_s + 1`` (see ``Dispatcher.groups_to_count_on``)."""

@@ -194,8 +194,8 @@ class Intake:
 
     def expire(self, now: float) -> list[tuple[str, str]]:
         """(task id, node) of the tasks past their deadline, closed."""
-        late = [(tid, t.node_id) for tid, t in self.dispatcher.in_flight.items() if now > t.deadline]
-        self.dispatcher.expire(now)
+        # in issue order (expire lists the newest first); a closed task's node is still known
+        late = [(tid, self.dispatcher.assignee(tid) or "") for tid in reversed(self.dispatcher.expire(now))]
         for tid, _ in late:
             self.book.close(tid)
         return late
