@@ -17,6 +17,7 @@ BENCHES: dict[str, tuple[str, str]] = {
     "activation": ("echo2.bench.activation", "cost-aware activation: exact vs echo2 vs all vs cheapest-first"),
     "learn": ("echo2.bench.learn", "a real model through a live swarm on a recipe: held-out accuracy before and after, tokens/s"),
     "learner": ("echo2.bench.learner", "the GRPO learner as 1 process and N FSDP2 ranks: step time, tokens/s, memory per rank, equality, publication"),
+    "intake": ("echo2.bench.intake", "hub CPU per result, heartbeat and holds, and status writing, as the fleet grows (issue 20)"),
     "crash": ("echo2.bench.crash", "SIGKILL the hub at random moments: acknowledged results and ledger entries vs found after restart"),
 }
 

@@ -77,6 +77,15 @@ class PriceBook:
     limits: ClaimLimits = field(default_factory=ClaimLimits)
     _peers: dict[str, _Price] = field(default_factory=dict)
     _tasks: dict[str, tuple[str, float]] = field(default_factory=dict)  # task id -> (peer, price at issue)
+    # peers whose price is still moving (ask, offer and bill differ): the only ones step() can
+    # change, so the fleet's tick visits these, not every node
+    moving: set[str] = field(default_factory=set)
+
+    def _track(self, peer: str, p: _Price) -> None:
+        if p.asked != p.offered or p.billed != p.offered:
+            self.moving.add(peer)
+        else:
+            self.moving.discard(peer)
 
     def admit(self, peer: str, asked: float, now: float, known: float | None = None) -> float:
         """A node admitted asking ``asked``; ``known`` is the price it was billed at before (the
@@ -88,6 +97,7 @@ class PriceBook:
             start = min(asked if known is None else known, self.limits.max_price)
             p = self._peers[peer] = _Price(start, asked, now, start)
         self.ask(peer, asked)
+        self._track(peer, p)
         return p.offered
 
     def ask(self, peer: str, asked: float) -> None:
@@ -98,6 +108,7 @@ class PriceBook:
             p.asked = asked
             if asked < p.offered:
                 p.offered = asked
+            self._track(peer, p)
 
     def offered(self, peer: str) -> float:
         p = self._peers.get(peer)
@@ -122,11 +133,13 @@ class PriceBook:
             p.offered, p.changed_at = stepped_price(p.offered, p.asked, self.limits), now
         if p.billed != p.offered and all(self._tasks.get(t, (peer, p.offered))[1] == p.offered for t in in_flight):
             p.billed = p.offered
+            self._track(peer, p)
             return p.billed
+        self._track(peer, p)
         return None
 
     def forget_tasks(self, keep: Iterable[str]) -> None:
         """Drop the issue prices of tasks that closed without an accepted result."""
-        live = set(keep)
+        live = keep if isinstance(keep, (set, dict)) else set(keep)
         for t in [t for t in self._tasks if t not in live]:
             del self._tasks[t]

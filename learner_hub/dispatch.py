@@ -37,6 +37,8 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any, Generic, TypeVar
 
+from .dispatch_index import CountOn, Deadlines, NodeIndex, plan
+
 log = logging.getLogger(__name__)
 
 
@@ -120,6 +122,13 @@ class NodeState:
     # timed a task of its own
     claimed: bool = False
 
+    def __setattr__(self, name: str, value: Any) -> None:
+        # the dispatcher's indexes follow rate, probation and activity, whoever assigns them
+        object.__setattr__(self, name, value)
+        hook = self.__dict__.get("_on_change")
+        if hook is not None and name in ("rate", "claimed", "active", "completed_tasks"):
+            hook(self, name)
+
 
 @dataclass
 class DispatchStats:
@@ -187,6 +196,9 @@ class Dispatcher:
         # group size and temperature; the ids of eval tasks in flight or accepted and not yet handled
         self.eval_queue: deque[PromptGroup] = deque()
         self.eval_tasks: set[str] = set()
+        self.index = NodeIndex(self.config.max_in_flight_per_node)
+        self._count_on, self._deadlines = CountOn(), Deadlines()
+        self.timing_changed: set[str] = set()
 
     # ---- queue and nodes -------------------------------------------------------------------
     def submit(self, groups: Iterable[PromptGroup]) -> None:
@@ -198,9 +210,17 @@ class Dispatcher:
         node is on probation until the hub has timed one of its tasks."""
         st = self.nodes.get(node_id)
         if st is None:
-            self.nodes[node_id] = NodeState(node_id, max(rate, self.config.min_rate), active, claimed=claimed)
+            st = self.nodes[node_id] = NodeState(node_id, max(rate, self.config.min_rate), active, claimed=claimed)
+            st.__dict__["_on_change"] = self._node_changed
+            self.index.update(st)
         else:
             st.active = active
+
+    def _node_changed(self, st: NodeState, name: str) -> None:
+        self.index.update(st)
+        self.timing_changed.add(st.node_id)  # the fleet's overclaim check reads these (drained each second)
+        if name == "claimed":
+            self._count_on.node_timed(st.in_flight, not st.claimed)
 
     def set_active(self, node_ids: Iterable[str]) -> None:
         """Apply an activation decision: only these nodes receive new tasks (in-flight tasks of
@@ -208,6 +228,12 @@ class Dispatcher:
         wanted = set(node_ids)
         for nid, st in self.nodes.items():
             st.active = nid in wanted
+
+    def set_node_active(self, node_id: str, active: bool) -> None:
+        """One node's part of :meth:`set_active` (the hub applies changes as they happen)."""
+        st = self.nodes.get(node_id)
+        if st is not None and st.active != active:
+            st.active = active
 
     def rate_of(self, node_id: str) -> float:
         return self.nodes[node_id].rate
@@ -228,7 +254,10 @@ class Dispatcher:
         probation tasks' groups in extra rollouts (``probation_max_in_flight`` x
         ``probation_groups``), which the next step uses.
         """
-        n = 0
+        counted = self._count_on.at(now)
+        if counted is not None:
+            return counted
+        n = 0  # asked about an earlier moment than before: the index moved on, so scan
         for t in self.in_flight.values():
             st = self.nodes.get(t.node_id)
             if st is not None and not st.claimed and now <= t.issued_at + 2 * t.expected_s + 1.0:
@@ -241,8 +270,7 @@ class Dispatcher:
 
     def _reference_rate(self) -> float | None:
         """The median hub-timed rate of the fleet: what a node on probation is weighed at, at most."""
-        timed = sorted(st.rate for st in self.nodes.values() if not st.claimed)
-        return timed[len(timed) // 2] if timed else None
+        return self.index.reference_rate()
 
     def planning_rate(self, node_id: str) -> float:
         """The rate to plan with: measured if timed, else the claim capped at the fleet's median
@@ -256,40 +284,11 @@ class Dispatcher:
     # ---- decisions -------------------------------------------------------------------------
     def next_tasks(self, now: float, learner_version: int) -> list[TaskAssignment]:
         """Fill every active node up to ``max_in_flight_per_node`` tasks, fastest node first, each
-        task sized so it takes about ``target_task_s`` at the node's observed rate."""
-        cfg = self.config
-        out: list[TaskAssignment] = []
-        min_version = max(0, learner_version - cfg.staleness)
-        weight = {nid: self.planning_rate(nid) for nid, st in self.nodes.items() if st.active}
-        order = sorted((st for st in self.nodes.values() if st.active), key=lambda s: (-weight[s.node_id], s.node_id))
-        progress = True
-        # A node's task never takes more than its rate-weighted share of the queue: one fast node
-        # must not swallow a whole batch while the others idle. Untimed nodes weigh in only as
-        # many as may hold a task (``probation_max_in_flight``).
-        slots = max(cfg.probation_max_in_flight, sum(1 for st in order if not st.claimed))
-        probation_slots = slots - sum(len(st.in_flight) for st in order if st.claimed)
-        untimed = sorted((weight[st.node_id] for st in order if st.claimed), reverse=True)
-        total_rate = sum(weight[st.node_id] for st in order if not st.claimed) + sum(untimed[:slots]) or 1.0
-        queued = len(self.queue)
-        # Round-robin over nodes (one task per node per round) so a short queue is spread out
-        # rather than handed wholesale to the first node.
-        while self.queue and progress:
-            progress = False
-            for st in order:
-                if not self.queue:
-                    break
-                if len(st.in_flight) >= (1 if st.claimed else cfg.max_in_flight_per_node):
-                    continue
-                share = max(1, math.ceil(queued * weight[st.node_id] / total_rate))
-                if st.claimed:
-                    if probation_slots <= 0:
-                        continue
-                    probation_slots -= 1
-                    share = min(share, cfg.probation_groups)
-                task = self._make_task(now, st, min_version, share)
-                out.append(task)
-                progress = True
-        return out
+        task sized so it takes about ``target_task_s`` at the node's observed rate; a node's task
+        never takes more than its rate-weighted share of the queue, and nodes on probation share
+        ``probation_max_in_flight`` slots (at least one per timed node). Read off the indexes,
+        so its cost follows the tasks issued, not the fleet (:func:`.dispatch_index.plan`)."""
+        return plan(self, now, learner_version)
 
     def next_eval_tasks(self, now: float, min_version: int, holders: Iterable[str]) -> list[TaskAssignment]:
         """Tasks from the eval queue for the active nodes in ``holders`` (those holding the
@@ -312,6 +311,7 @@ class Dispatcher:
                 task = self._make_task(now, st, min_version, share, queue=self.eval_queue)
                 self.eval_tasks.add(task.task_id)
                 out.append(task)
+                self.index.update(st)
                 progress = True
         return out
 
@@ -353,7 +353,9 @@ class Dispatcher:
             expected_s=expected,
         )
         self.in_flight[task.task_id] = task
-        st.in_flight.add(task.task_id)
+        st.in_flight.add(task.task_id)  # the caller re-indexes st (not while it walks the index)
+        self._count_on.opened(task.task_id, st.node_id, now + 2 * expected + 1.0, len(groups), not st.claimed)
+        self._deadlines.add(task.task_id, deadline)
         self.stats.issued += 1
         return task
 
@@ -444,6 +446,8 @@ class Dispatcher:
         st = self.nodes.pop(node_id, None)
         if st is None:
             return []
+        st.__dict__["_on_change"] = None
+        self.index.remove(node_id)
         # in_flight is in issue order; requeue newest first so the oldest prompts end up in front
         ids = [tid for tid in reversed(self.in_flight) if tid in st.in_flight]
         for tid in ids:
@@ -453,7 +457,7 @@ class Dispatcher:
     def expire(self, now: float) -> list[str]:
         """Close tasks past their deadline; their prompts go back to the front of the queue."""
         # newest first (in_flight is in issue order) so the oldest prompts end up in front
-        late = [t for t in reversed(self.in_flight.values()) if now > t.deadline]
+        late = self._deadlines.due(now, self.in_flight)
         for t in late:
             self.stats.expired += 1
             st = self.nodes.get(t.node_id)
@@ -472,11 +476,13 @@ class Dispatcher:
 
     def _close(self, task: TaskAssignment, later: VerdictCode, *, requeue: bool) -> None:
         del self.in_flight[task.task_id]
+        self._count_on.closed(task.task_id)
         st = self.nodes.get(task.node_id)
         if st is not None:
             st.in_flight.discard(task.task_id)
             if not st.in_flight:
                 st.busy_until = -math.inf
+            self.index.update(st)
         self._closed[task.task_id] = (later, task.node_id)
         while len(self._closed) > self.config.closed_memory:
             self._closed.popitem(last=False)

@@ -49,7 +49,7 @@ from .config import HubConfig
 from .dispatch import DispatchConfig, Dispatcher
 from .evaluation import Evaluator
 from .fleet import Fleet, NodeInfo
-from .hubstatus import hub_status, write_status, write_status_file
+from .hubstatus import hub_status, write_status_file, write_status_in_chunks
 from .intake import Accept, Intake, Punish, TaskParams, result_tokens
 from .ledger import Ledger
 from .outbox import Outbox
@@ -389,10 +389,9 @@ class Hub:
 
     async def write_status(self, final: bool = False) -> None:
         self.finished = self.finished or final
-        s = self.status() | {"final": self.finished}
         self._status_lock = self._status_lock or trio.Lock()
         async with self._status_lock:  # one writer at a time: they share the temporary file name
-            await write_status(self.dir / "status.json", s)
+            await write_status_in_chunks(self, self.dir / "status.json", {"final": self.finished})
 
     async def run(self) -> int:
         return await serve(self)

@@ -229,6 +229,10 @@ class Ledger:
     def totals(self, now: float) -> Totals:
         return totals_of(self.rows(now))
 
+    def peers(self) -> list[str]:
+        """Every account's peer, unordered (callers that read rows a chunk at a time)."""
+        return list(self._acc)
+
     # --- persistence ---------------------------------------------------------------------------
     def snapshot(self, now: float) -> list[AccountRow]:
         """The accounts up to ``now`` (what the store persists)."""

@@ -49,6 +49,7 @@ class Outbox:
         # so a task on record implies its prompts are past the saved position.
         source.restore(store.get_meta(POSITION_KEY))
         self.evaluator: Evaluator | None = None  # set by the hub when eval_every > 0
+        self._eligible_min_v: int | None = None  # the min_v the dispatcher's active flags were set for
         self.eval_params = TaskParams(1 if cfg.eval_temperature == 0 else cfg.group_size, cfg.max_new_tokens,
                                       cfg.eval_temperature, cfg.top_p)
 
@@ -78,9 +79,7 @@ class Outbox:
         now = time.time()
         t = self.trainer.consume_step()
         min_v, active, nodes = max(0, t - self.cfg.staleness), self.fleet.active, self.fleet.nodes
-        self.dispatcher.set_active(
-            p for p, n in nodes.items() if n.held_version >= min_v and (active is None or p in active)
-        )
+        self._apply_eligibility(min_v, active, nodes)
         tasks = self._eval_tasks(now) + self.intake.issue(now, t, nodes, lambda: self.rng.randrange(2**62))
         for task in tasks:
             n_rollouts = len(task.prompts) * task.group_size
@@ -91,6 +90,22 @@ class Outbox:
             ttl = min(540.0, max(60.0, task.deadline - now + 60.0))
             node.mailbox.append(envelope.seal(self.identity, task, ttl_s=ttl))
             node.wakeup.set()
+
+    def _apply_eligibility(self, min_v: int, active: set[str] | None, nodes: dict[str, Any]) -> None:
+        """Only nodes that hold a version >= ``min_v`` and are activated get tasks: a full pass
+        when ``min_v`` moves (once a learner step), else the nodes the fleet saw change."""
+        changed = self.fleet.eligibility_changed
+        if min_v != self._eligible_min_v:
+            self._eligible_min_v = min_v
+            self.dispatcher.set_active(
+                p for p, n in nodes.items() if n.held_version >= min_v and (active is None or p in active)
+            )
+        else:
+            for p in changed:
+                n = nodes.get(p)
+                self.dispatcher.set_node_active(
+                    p, n is not None and n.held_version >= min_v and (active is None or p in active))
+        changed.clear()
 
     def _eval_tasks(self, now: float) -> list[Task]:
         """Start the evaluation due at the learner's step; eval tasks for the nodes holding the

@@ -1,0 +1,302 @@
+"""``echo2 bench intake``: what one message costs the hub as the fleet grows (issue 20).
+
+What this measures (first row of issue 20's bench; stated in the JSON as ``"measures"``): a real
+:class:`~echo2.learner_hub.hub.Hub` object (tiny model, its SQLite store in its own thread, the
+built-in reward functions) in this process, with N admitted node identities. The hub's handlers
+are called directly with real signed messages, as the network layer would hand them over; the
+network layer's own cost (py-libp2p streams, Noise, Yamux: 2.5-3.6 ms a request measured in the
+issue) is not in these figures. Per fleet size it reports, as medians over the measured messages:
+
+* ``result``: :meth:`Hub.on_result` for an accepted small result (8 completions x 64 tokens):
+  CPU of the trio thread (``loop_cpu_ms``) and of the whole process across the call
+  (``process_cpu_ms``: the store's and the reward functions' threads too), and wall time;
+* ``heartbeat``: :meth:`Hub.on_work` of a node with a task waiting (it pumps, then returns it);
+* ``holds``: :meth:`Hub.on_holds` (a node reports it holds version 0);
+* ``status``: building the whole status dict at once (what ``/status.json`` does), and the
+  longest the loop was kept from running (a 1 ms ticker) while the hub wrote status.json (json
+  encoding holds the GIL even in a thread), next to the same ticker's longest gap on an idle loop
+  for as long (``idle_loop_gap_max_ms``: what the machine's scheduler alone costs), and the
+  loop thread's CPU for the whole write (``write_loop_cpu_ms``) and the longest single
+  ``json.dumps`` in the writer's thread, which holds the GIL (``write_longest_stretch_cpu_ms``);
+* ``housekeeping``: one pass of the hub's once-a-second duties (expiry, liveness, fleet tick).
+
+Set-up shortcuts, each stated in the JSON: nodes are admitted through :meth:`Hub.on_admission`
+(signed requests), then marked hub-timed (as if each had returned one task: a fleet of untimed
+nodes shares four probation slots) and as holding version 0 without a HoldsVersion message each.
+Between measured results a stand-in for the learner takes the buffered rows (outside the timed
+window) so that the pipeline keeps issuing tasks, as it does while training.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import random
+import statistics
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+SMALL_COMPLETIONS = 8
+SMALL_TOKENS = 64
+TIMED_RATE = 0.01  # rollouts/s: a small task is expected to take 800 s
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--nodes", default="100,10000", help="comma-separated fleet sizes (default 100,10000)")
+    parser.add_argument("--results", type=int, default=100, help="accepted results measured per fleet size")
+    parser.add_argument("--holds", type=int, default=50, help="HoldsVersion messages measured per fleet size")
+    parser.add_argument("--status", type=int, default=5, help="status writes measured per fleet size")
+    parser.add_argument("--json", default=None, help="write results to this file")
+
+
+def _stats(xs: list[float]) -> dict[str, float]:
+    if not xs:
+        return {}
+    s = sorted(xs)
+    return {"median": round(statistics.median(s), 4), "p90": round(s[int(0.9 * (len(s) - 1))], 4),
+            "max": round(s[-1], 4), "n": len(s)}
+
+
+class _Cpu:
+    """CPU (ms) of this thread and of the whole process, and wall time, across a block."""
+
+    def __enter__(self) -> _Cpu:
+        self.t, self.p, self.w = time.thread_time(), time.process_time(), time.perf_counter()
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self.loop_ms = (time.thread_time() - self.t) * 1e3
+        self.process_ms = (time.process_time() - self.p) * 1e3
+        self.wall_ms = (time.perf_counter() - self.w) * 1e3
+
+
+async def _ticker(gaps: list[float], stop: Any) -> None:
+    import trio
+
+    while not stop.is_set():
+        t0 = time.perf_counter()
+        await trio.sleep(0.001)
+        gaps.append((time.perf_counter() - t0 - 0.001) * 1e3)
+
+
+def make_hub(n_nodes: int, workdir: Path) -> Any:
+    """A hub sized for the fleet: one prompt group per node per step, small results (built off
+    the trio loop: the hub's constructor reads its store synchronously)."""
+    from echo2.learner_hub.config import HubConfig
+    from echo2.learner_hub.hub import Hub
+
+    cfg = HubConfig(dir=str(workdir), steps=10**6, prompts_per_step=n_nodes, group_size=SMALL_COMPLETIONS,
+                    max_new_tokens=SMALL_TOKENS, staleness=1, task_deadline_s=3600.0)
+    hub = Hub(cfg)
+    gc.freeze()  # as run_hub does: start-up's objects are never scanned by a collection again
+    return hub
+
+
+async def measure(hub: Any, n_nodes: int, n_results: int, n_holds: int, n_status: int, workdir: Path) -> dict[str, Any]:
+    import trio
+
+    from echo2.learner_hub import hubstatus
+    from echo2.learner_hub.store import HubStore
+    from echo2.protocol import envelope
+    from echo2.protocol.identity import Identity
+    from echo2.protocol.messages import (
+        AdmissionRequest,
+        Announce,
+        Completion,
+        Heartbeat,
+        HoldsVersion,
+        Result,
+        Task,
+        task_hash,
+    )
+
+    await hub.publish()  # version 0, as serve() does before nodes come
+    rng = random.Random(0)
+    nodes = [Identity.generate() for _ in range(n_nodes)]
+
+    def announce(peer: str) -> Announce:
+        return Announce(
+            peer_id=peer, software_version="0.1.0", accelerator="", accelerator_count=0, accelerator_memory_bytes=0,
+            cpu_model="bench", cpu_cores=1, ram_bytes=1 << 30, free_disk_bytes=1 << 30, engine="transformers",
+            engine_version="", tokens_per_s=0.0, rollouts_per_s=8.0, upload_MBps=0.0, download_MBps=0.0,
+            price_usd_per_hour=0.0, listen_addrs=[], data_addr="", reachable=False, versions_held=[],
+            max_upload_MBps=0.0,
+        )
+
+    t0 = time.perf_counter()
+    for node in nodes:
+        req = AdmissionRequest(peer_id=node.peer_id, join_token="", announce=announce(node.peer_id))
+        await hub.on_admission(node.peer_id, envelope.seal(node, req))
+    admit_s = time.perf_counter() - t0
+    assert len(hub.nodes) == n_nodes, "every bench node is admitted"
+    by_peer = {n.peer_id: n for n in nodes}
+    for p, st in hub.dispatcher.nodes.items():
+        # set-up shortcut: as if the hub had timed one task of each, at a rate slow enough that no
+        # task looks lost while the bench runs (at 8 rollouts/s a 1-group task is expected in 1 s and
+        # stops counting as supply after 3 s: the refill would then double the work out)
+        st.claimed, st.rate = False, TIMED_RATE
+        hub.nodes[p].held_version = 0  # set-up shortcut: as if each had sent HoldsVersion(0)
+    t0 = time.perf_counter()
+    hub.outbox.feed()
+    first_dispatch_s = time.perf_counter() - t0
+    await hub.store.call(lambda st: None)
+    vocab = hub.tok.vocab_size
+    stop_ids = set(hub.tok.stop_ids)
+    plain = [t for t in range(3, min(vocab, 1000)) if t not in stop_ids]
+    seq = 0
+
+    def result_for(task: Task, node: Identity) -> bytes:
+        comps = [Completion(prompt_index=i, token_ids=[rng.choice(plain) for _ in range(SMALL_TOKENS)],
+                            logprobs=[-0.5] * SMALL_TOKENS, finish_reason="length")
+                 for i in range(len(task.prompts)) for _ in range(task.group_size)]
+        r = Result(task_id=task.task_id, task_hash=task_hash(task), node_id=node.peer_id, version=0, completions=comps,
+                   started_at=time.time(), gen_seconds=0.1, tokens=SMALL_TOKENS * len(comps))
+        return envelope.seal(node, r)
+
+    async def learner_stand_in() -> None:
+        """Take the buffered rows as a training step would (untimed), so that tasks keep flowing."""
+        batch = hub.buffer.take_batch(hub.learner.version, len(hub.buffer)) or []
+        done = [tid for _, (tid, _g) in batch if hub.intake.book.group_gone(tid)]
+        hub.store.submit(HubStore.mark_trained, done, hub.learner.version)
+        hub.outbox.feed()
+        await hub.store.call(lambda st: None)
+
+    res: dict[str, list[float]] = {k: [] for k in ("result_loop", "result_proc", "result_wall", "hb_loop",
+                                                    "hb_proc", "holds_loop", "holds_proc")}
+    sizes: list[int] = []
+    accepted0 = hub.dispatcher.stats.accepted
+    for _ in range(n_results):
+        peer = next((p for p, n in hub.nodes.items() if n.mailbox), None)  # untimed: a node with a task waiting
+        if peer is None:
+            raise RuntimeError("no node has a task waiting: the pipeline ran dry")
+        node = by_peer[peer]
+        seq += 1
+        hb = envelope.seal(node, Heartbeat(peer_id=peer, seq=seq, versions_held=[0], busy_tasks=0, queue_free=1))
+        with _Cpu() as c:
+            reply = await hub.on_work(peer, hb)
+        res["hb_loop"].append(c.loop_ms)
+        res["hb_proc"].append(c.process_ms)
+        task = envelope.open_envelope(reply, Task, replay=None).message
+        data = result_for(task, node)
+        sizes.append(len(data))
+        with _Cpu() as c:
+            await hub.on_result(peer, data)
+        res["result_loop"].append(c.loop_ms)
+        res["result_proc"].append(c.process_ms)
+        res["result_wall"].append(c.wall_ms)
+        await learner_stand_in()
+    accepted = hub.dispatcher.stats.accepted - accepted0
+    for node in rng.sample(nodes, min(n_holds, len(nodes))):
+        msg = envelope.seal(node, HoldsVersion(peer_id=node.peer_id, version=0, seconds=0.1))
+        with _Cpu() as c:
+            await hub.on_holds(node.peer_id, msg)
+        res["holds_loop"].append(c.loop_ms)
+        res["holds_proc"].append(c.process_ms)
+
+    build, block, write_wall, idle, stretch = [], [], [], [], []
+    write_loop = []
+    for _ in range(n_status):
+        with _Cpu() as c:
+            hub.status()
+        build.append(c.loop_ms)
+        with _Cpu() as c:
+            await hub.write_status()  # alone: the loop thread's CPU is the write's
+        write_loop.append(c.loop_ms)
+        gaps: list[float] = []
+        stop = trio.Event()
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(_ticker, gaps, stop)
+            await trio.sleep(0.01)
+            with _Cpu() as c:
+                await hub.write_status()
+            stop.set()
+        write_wall.append(c.wall_ms)
+        block.append(max(gaps) if gaps else 0.0)
+        stretch.append(hubstatus.last_write.get("longest_stretch_ms", float("nan")))
+        # the same ticker for as long with nothing else to do: what this (shared) machine's
+        # scheduler alone costs the loop, to read the figure above against
+        gaps = []
+        stop = trio.Event()
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(_ticker, gaps, stop)
+            await trio.sleep(0.01 + c.wall_ms / 1e3)
+            stop.set()
+        idle.append(max(gaps) if gaps else 0.0)
+    status_bytes = (workdir / "status.json").stat().st_size
+
+    house = []
+    for _ in range(5):
+        now = time.time()
+        with _Cpu() as c:
+            hub.intake.expire(now)
+            hub.fleet.drop_silent(now, 3600.0)
+            hub.fleet.tick(now)
+        house.append(c.loop_ms)
+    return {
+        "nodes": n_nodes,
+        "setup": {"admit_s": round(admit_s, 2), "first_dispatch_s": round(first_dispatch_s, 3),
+                  "tasks_in_flight": len(hub.dispatcher.in_flight)},
+        "accepted": accepted,
+        "result_bytes": int(statistics.median(sizes)) if sizes else 0,
+        "result": {"loop_cpu_ms": _stats(res["result_loop"]), "process_cpu_ms": _stats(res["result_proc"]),
+                   "wall_ms": _stats(res["result_wall"])},
+        "heartbeat": {"loop_cpu_ms": _stats(res["hb_loop"]), "process_cpu_ms": _stats(res["hb_proc"])},
+        "holds": {"loop_cpu_ms": _stats(res["holds_loop"]), "process_cpu_ms": _stats(res["holds_proc"])},
+        "status": {"build_loop_cpu_ms": _stats(build), "write_loop_blocked_max_ms": _stats(block),
+                   "write_wall_ms": _stats(write_wall), "write_loop_cpu_ms": _stats(write_loop),
+                   "write_longest_stretch_cpu_ms": _stats(stretch),
+                   "idle_loop_gap_max_ms": _stats(idle), "bytes": status_bytes},
+        "housekeeping": {"loop_cpu_ms": _stats(house)},
+    }
+
+
+def run(args: argparse.Namespace) -> int:
+    import logging
+
+    import trio
+
+    logging.getLogger("echo2").setLevel(logging.WARNING)
+    sizes = [int(x) for x in str(args.nodes).split(",") if x.strip()]
+    rows = []
+    for n in sizes:
+        with tempfile.TemporaryDirectory(prefix="echo2-bench-intake-") as d:
+            hub = make_hub(n, Path(d))
+            try:
+                row = trio.run(measure, hub, n, args.results, args.holds, args.status, Path(d))
+            finally:
+                hub.store.close()
+        rows.append(row)
+        r = row["result"]
+        print(f"nodes={n:>6}  result loop {r['loop_cpu_ms']['median']:.3f} ms  process {r['process_cpu_ms']['median']:.3f} ms"
+              f"  heartbeat {row['heartbeat']['loop_cpu_ms']['median']:.3f} ms  holds {row['holds']['loop_cpu_ms']['median']:.3f} ms"
+              f"  status build {row['status']['build_loop_cpu_ms']['median']:.1f} ms,"
+              f" write: loop CPU {row['status']['write_loop_cpu_ms']['median']:.1f} ms,"
+              f" loop blocked {row['status']['write_loop_blocked_max_ms']['median']:.1f} ms"
+              f" (idle {row['status']['idle_loop_gap_max_ms']['median']:.1f} ms,"
+              f" longest CPU stretch {row['status']['write_longest_stretch_cpu_ms']['median']:.1f} ms)"
+              f"  housekeeping {row['housekeeping']['loop_cpu_ms']['median']:.1f} ms  (setup: admit {row['setup']['admit_s']} s)",
+              flush=True)
+    out: dict[str, Any] = {
+        "bench": "intake",
+        "measures": ("in-process: a real Hub's handlers called directly with real signed messages from N admitted "
+                     "identities; CPU per message of the trio thread (loop_cpu_ms) and of the whole process "
+                     "(process_cpu_ms, store and reward threads included); the libp2p stream cost is not included"),
+        "setup_shortcuts": [f"nodes marked hub-timed after admission (as if each had returned one task) at {TIMED_RATE} rollouts/s",
+                            "held_version=0 set directly after admission (holds are measured on a sample)",
+                            "the learner is a stand-in that takes buffered rows between results, untimed"],
+        "small_result": {"completions": SMALL_COMPLETIONS, "tokens_each": SMALL_TOKENS},
+        "rows": rows,
+    }
+    if len(rows) >= 2:
+        a, b = rows[0], rows[-1]
+        out["ratio_result_loop_cpu"] = round(b["result"]["loop_cpu_ms"]["median"] / max(a["result"]["loop_cpu_ms"]["median"], 1e-9), 3)
+        out["ratio_result_process_cpu"] = round(
+            b["result"]["process_cpu_ms"]["median"] / max(a["result"]["process_cpu_ms"]["median"], 1e-9), 3)
+        print(f"result CPU ratio {b['nodes']} / {a['nodes']} nodes: loop {out['ratio_result_loop_cpu']}, "
+              f"process {out['ratio_result_process_cpu']}")
+    if args.json:
+        Path(args.json).write_text(json.dumps(out, indent=2))
+    return 0

@@ -1,0 +1,25 @@
+"""``echo2 bench intake`` on a small fleet: every measured result is accepted by a real hub, and
+each figure it reports was measured (not a default)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from echo2.bench import intake as bench_intake
+
+
+def test_bench_intake_small_fleet(tmp_path: Path) -> None:
+    parser = argparse.ArgumentParser()
+    bench_intake.add_arguments(parser)
+    out = tmp_path / "i.json"
+    args = parser.parse_args(["--nodes", "4", "--results", "4", "--holds", "2", "--status", "1", "--json", str(out)])
+    assert bench_intake.run(args) == 0
+    rep = json.loads(out.read_text())
+    assert [r["nodes"] for r in rep["rows"]] == [4]
+    for row in rep["rows"]:
+        assert row["accepted"] == 4  # each measured result was accepted: the hub judged real work
+        assert row["result"]["loop_cpu_ms"]["n"] == 4 and row["result"]["loop_cpu_ms"]["median"] > 0
+        assert row["holds"]["loop_cpu_ms"]["n"] == 2
+        assert row["status"]["bytes"] > 0 and row["result_bytes"] > 8 * 64
