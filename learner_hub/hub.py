@@ -43,6 +43,7 @@ from echo2.protocol.wire import MAX_RESULT, WORK_POLL_S
 
 from .broadcast import PeerInfo, PipelinedSender, StarWithHolds
 from .config import HubConfig
+from .curves import HubCurves
 from .dispatch import DispatchConfig, Dispatcher
 from .evaluation import Evaluator
 from .fleet import Fleet, NodeInfo
@@ -112,6 +113,7 @@ class Hub:
         self.learner, self.buffer, self.history = learner, self.trainer.buffer, self.trainer.history
         self.nodes, self.reputation = self.fleet.nodes, self.fleet.reputation
         self.loop_lag = LoopLag()
+        self.curves = HubCurves()  # the status page's curves (curves.py)
         self.started = self.trainer.started
         self.done, self.finished = trio.Event(), False
         self._status_lock: trio.Lock | None = None

@@ -24,6 +24,9 @@ def hub_status(hub: Hub) -> dict[str, Any]:
     st = hub.dispatcher.stats
     tr, fleet = hub.trainer, hub.fleet
     now = time.time()
+    hub.curves.update(hub, now)
+    rates = hub.curves.node_rates(hub, now)
+    latest = hub.publisher.latest_version
     return {
         "peer_id": hub.identity.peer_id,
         "addrs": hub.addrs,
@@ -50,6 +53,9 @@ def hub_status(hub: Hub) -> dict[str, Any]:
             {
                 "peer_id": n.peer_id,
                 "held_version": n.held_version,
+                # how far its weights are behind the newest version, and its accepted tokens/s lately
+                "versions_behind": None if latest < 0 or n.held_version < 0 else latest - n.held_version,
+                **rates.get(n.peer_id, {}),
                 "tasks_done": n.tasks_done,
                 "rollouts": n.rollouts,
                 "tokens": n.tokens,
@@ -75,6 +81,8 @@ def hub_status(hub: Hub) -> dict[str, Any]:
         "rewards": hub.rewards.report(),
         # evaluations through the swarm: {"history": [{"step", "wall_s", "mean_reward", "accuracy", "n"}...], "latest"}
         "eval": hub.evaluator.report(),
+        # the run's curves for the status page (curves.py): bounded, the whole run downsampled
+        "curves": hub.curves.as_dict(),
         # replay state by pool: admitted peers' never shares room with strangers' (A3)
         "replay_guards": {
             "admitted": {"entries": len(hub.replay), "max_entries": hub.replay.per_peer * hub.replay.max_peers},

@@ -142,7 +142,7 @@ def test_provider_failure_is_500_and_server_survives() -> None:
             resp = await raw_request(port, b"GET /status.json HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
             assert status_code(resp) == 200 and json.loads(body(resp)) == {"step": 1}
             resp = await raw_request(port, b"GET / HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")  # an almost empty status still renders
-            assert status_code(resp) == 200 and b"no learner steps yet" in body(resp)
+            assert status_code(resp) == 200 and b"<i>none</i>" in body(resp) and b"echo2Live(" in body(resp)
             nursery.cancel_scope.cancel()
 
     trio.run(main)
