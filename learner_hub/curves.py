@@ -18,6 +18,7 @@ as uPlot takes it: ``{"train": {"step": [...], "wall_s": [...], "series": {name:
 
 from __future__ import annotations
 
+import json
 import time
 from collections import deque
 from collections.abc import Iterable, Mapping
@@ -25,6 +26,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from .hub import Hub
+    from .store import HubStore
 
 #: points per curve (status.json carries ~4 curves of this many points: ~100 KB at most)
 CURVE_POINTS = 400
@@ -72,10 +74,12 @@ class Series:
         point = (xs, vals)
         if self.seen % self.stride == 0:
             self.kept.append(point)
+            self.last = None
             if len(self.kept) >= self.cap:
                 self.kept = self.kept[::2]
                 self.stride *= 2
-            self.last = None
+                if self.kept[-1] is not point:  # thinned away: still the newest, shown
+                    self.last = point
         else:
             self.last = point
         self.seen += 1
@@ -157,6 +161,14 @@ class NodeRates:
         return {"wall_s": t, "series": series}
 
 
+def record_train_metrics(store: HubStore, step: int, wall_s: float, metrics: Mapping[str, Any]) -> None:
+    """One step's figures into ``train_metrics`` (a step trained again after a restart replaces its row)."""
+    clean = {k: v for k, raw in metrics.items() if (v := _num(raw)) is not None}
+    with store._tx() as db:
+        db.execute("INSERT OR REPLACE INTO train_metrics (step, wall_s, metrics) VALUES (?, ?, ?)",
+                   (int(step), float(wall_s), json.dumps(clean)))
+
+
 class HubCurves:
     """The live hub's curves; ``update(hub)`` on the loop before each status snapshot."""
 
@@ -176,12 +188,18 @@ class HubCurves:
         self._started = hub.started
         # trainmetrics' figures of the last steps (when the training room keeps them), by step
         extra = {int(r["step"]): r for r in getattr(tr, "train_metrics", ()) if isinstance(r, Mapping) and "step" in r}
+        # Until the training room records its own figures (trainmetrics.py, issue 21 "track"), the
+        # history's are stored here so `echo2 hub report` has per-step curves: same table, names.
+        record = not hasattr(tr, "train_metrics")
         for h in tr.history:  # steps are appended in order; only the new ones are read
             step = int(h.get("step", -1))
             if step <= self._step:
                 continue
             self._step = step
-            self.train.add((float(step), float(h.get("t", 0.0))), train_figures({**h, **extra.get(step, {})}))
+            figures = train_figures({**h, **extra.get(step, {})})
+            self.train.add((float(step), float(h.get("t", 0.0))), figures)
+            if record:
+                hub.store.submit(record_train_metrics, step, float(h.get("t", 0.0)), figures)
         for e in hub.evaluator.history:
             if e["step"] > self._eval_step:
                 self._eval_step = int(e["step"])

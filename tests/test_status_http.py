@@ -90,8 +90,12 @@ def test_real_server_routes_and_garbage() -> None:
             code, ctype, data = await trio.to_thread.run_sync(fetch, base + "/")
             assert code == 200 and ctype.startswith("text/html")
             page = data.decode()
-            assert "<polyline" in page and "80.0%" in page and "$0.2500" in page and "12D3KooWb" in page
-            assert "<script>" not in page and "&lt;script&gt;" in page  # node-supplied text is escaped
+            assert "80.0%" in page and "$0.2500" in page and "12D3KooWb" in page
+            # the charts' library is inlined (the page works offline), its tables also come alone
+            assert "uPlot" in page and "<script src" not in page and 'id="curves-data"' in page
+            code, ctype, data = await trio.to_thread.run_sync(fetch, base + "/tables.html")
+            assert code == 200 and data.decode().startswith('<div id="tables">') and "12D3KooWb" in data.decode()
+            assert "12D3KooWa<script>" not in page and "12D3KooWa&lt;script&gt;" in page  # node-supplied text is escaped
             code, ctype, data = await trio.to_thread.run_sync(fetch, base + "/metrics?x=1")
             assert code == 200 and "version=0.0.4" in ctype
             text = data.decode()
