@@ -113,8 +113,11 @@ def node_curves(run: dict[str, Any], t0: float) -> dict[str, Any]:
             bins.setdefault(node, Counter())[b] += int(tokens)
             last = max(last, b)
     xs = list(range(last + 1)) if bins else []
-    return {"wall_s": [round((b + 1) * width, 3) for b in xs],
-            "series": {node: [c.get(b, 0) / width for b in xs] for node, c in bins.items()}}
+    # the last bin ends at the last result, not a full width later
+    ends = [min((b + 1) * width, span) if b == last else (b + 1) * width for b in xs]
+    return {"wall_s": [round(e, 3) for e in ends],
+            "series": {node: [c.get(b, 0) / max(e - b * width, 1e-9) for b, e in zip(xs, ends, strict=True)]
+                       for node, c in bins.items()}}
 
 
 def build_report(run: dict[str, Any]) -> dict[str, Any]:
@@ -141,6 +144,9 @@ def build_report(run: dict[str, Any]) -> dict[str, Any]:
         "eval_accuracy_best": None if best is None else best["accuracy"],
         "eval_accuracy_best_step": None if best is None else best["step"],
         "eval_accuracy_last": a_last,
+        "eval_mean_reward_first": _first_last(evals, "mean_reward")[0],
+        "eval_mean_reward_best": max((e["mean_reward"] for e in evals if e.get("mean_reward") is not None), default=None),
+        "eval_mean_reward_last": _first_last(evals, "mean_reward")[1],
         "evaluations": len(evals),
         "accepted_tokens": sum(int(r[3]) for r in run["results"] if r[1]),
         "accepted_results": sum(1 for r in run["results"] if r[1]),

@@ -14,7 +14,8 @@
   }
 
   // one chart: block {<x>: [...], series: {name: [...]}}, names to draw (all when null)
-  function chart(el, title, block, x, names, yLabel) {
+  // unit: the y axis spans at least [0, 1] (fractions, accuracies: a flat 0 stays readable)
+  function chart(el, title, block, x, names, yLabel, unit) {
     var box = document.createElement("div");
     box.className = "chart";
     el.appendChild(box);
@@ -35,7 +36,8 @@
       title: title,
       width: Math.max(320, Math.min(640, (el.clientWidth || 1300) / 2 - 24)),
       height: 220,
-      scales: { x: { time: false } },
+      scales: unit ? { x: { time: false }, y: { range: function (u, lo, hi) { return [Math.min(0, lo), Math.max(1, hi)]; } } }
+        : { x: { time: false } },
       axes: [{ label: x === "wall_s" ? "wall time (s)" : x }, { label: yLabel || "" }],
       series: series,
     };
@@ -56,9 +58,9 @@
     el.innerHTML = "";
     var t = curves.train || {}, ev = curves.eval || {};
     chart(el, "Train reward (total and per reward function)", t, xAxis, ["reward"].concat(prefixed(t, "rewards/", "/mean")), "reward");
-    chart(el, "Eval (held-out split)", ev, xAxis, ["accuracy", "mean_reward"], "accuracy / reward");
+    chart(el, "Eval (held-out split)", ev, xAxis, ["accuracy", "mean_reward"], "accuracy / reward", true);
     chart(el, "Completion length (tokens, mean)", t, xAxis, ["completions/mean_length"], "tokens");
-    chart(el, "Learner utilisation vs capacity model", t, xAxis, ["echo2/learner_busy_fraction", "echo2/predicted_busy_fraction"], "busy fraction");
+    chart(el, "Learner utilisation vs capacity model", t, xAxis, ["echo2/learner_busy_fraction", "echo2/predicted_busy_fraction"], "busy fraction", true);
     chart(el, "Broadcast time per version (s to first/median/last node)", curves.broadcast, "version", null, "seconds");
     chart(el, "Accepted tokens/s per node", curves.nodes, "wall_s", null, "tokens/s");
     chart(el, "Staleness of trained rows (mean)", t, xAxis, ["echo2/staleness_mean"], "versions");
