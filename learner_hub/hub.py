@@ -11,6 +11,7 @@ in the store's thread, the learner and packing in worker threads.
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import logging
 import os
@@ -42,7 +43,7 @@ from echo2.protocol.peerlimit import KeyedRateLimiter
 from echo2.protocol.wire import MAX_RESULT, WORK_POLL_S
 
 from .broadcast import PeerInfo, PipelinedSender, StarWithHolds
-from .config import HubConfig
+from .config import HubConfig, render_config
 from .curves import HubCurves
 from .dispatch import DispatchConfig, Dispatcher
 from .evaluation import Evaluator
@@ -59,7 +60,9 @@ from .rows import Group, encode_groups
 from .serve import serve
 from .store import HubStore
 from .storeworker import StoreWorker
+from .tracking import Tracker, report_targets
 from .training import Trainer, build_learner, learner_memory
+from .trainmetrics import HubFigures
 
 NODE_SILENCE_S = 3 * WORK_POLL_S + 15.0
 
@@ -123,6 +126,17 @@ class Hub:
         self.addrs: list[str] = []
         self.data_addr = self.status_url = ""
         self.resumed_from, self.restored_results = self.trainer.resume()
+        self._start_tracking()
+
+    def _start_tracking(self) -> None:
+        """report_to (tracking.py): the trackers get the whole config once, then every step's
+        figures from the training room and the hub's echo2/ figures at that moment."""
+        cfg = self.cfg
+        figures = HubFigures()
+        self.trainer.hub_figures = lambda: figures(self, time.time())
+        if report_targets(cfg.report_to):
+            self.trainer.tracker = Tracker.for_hub(cfg.report_to, self.dir, cfg.run_name or self.dir.resolve().name,
+                                                   dataclasses.asdict(cfg), render_config(cfg))
 
     # the fleet's decisions, as tests and the status page read them
     def _evaluator(self) -> Evaluator:
@@ -263,6 +277,7 @@ class Hub:
             self.intake.book.buffered(r.task_id, 0)  # nothing buffered: the book forgets the task
             for rec in self.evaluator.add(verdict.task.groups, scored, r.version):
                 self.store.submit(HubStore.record_eval, rec, time.time())
+                self.trainer.record_eval(rec)
             self.outbox.feed()
         await pending.wait()
         return envelope.seal(self.identity, ErrorReply(code="ok", message="accepted"))
@@ -378,6 +393,7 @@ def run_hub(cfg: HubConfig) -> int:
         return 0
     finally:
         hub.store.close()  # runs the writes still queued
+        hub.trainer.tracker.close()  # the trackers' queued writes, then their files closed
         close = getattr(hub.learner, "close", None)  # a sharded learner's ranks (issue 17)
         if close is not None:
             close()

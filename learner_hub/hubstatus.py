@@ -67,6 +67,9 @@ def hub_status(hub: Hub) -> dict[str, Any]:
             }
             for n in fleet.nodes.values()
         ],
+        # the last steps' figures under TRL's names and echo2/ (trainmetrics.py; all of them: the store)
+        "train_metrics": list(tr.train_metrics),
+        "tracking": tr.tracker.report(),
         # past entries are never changed again; the newest may still get its overhead_s
         "history": tr.history[:-1] + [dict(h) for h in tr.history[-1:]],
         "status_url": hub.status_url,
