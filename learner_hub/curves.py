@@ -18,7 +18,6 @@ as uPlot takes it: ``{"train": {"step": [...], "wall_s": [...], "series": {name:
 
 from __future__ import annotations
 
-import json
 import time
 from collections import deque
 from collections.abc import Iterable, Mapping
@@ -26,7 +25,6 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from .hub import Hub
-    from .store import HubStore
 
 #: points per curve (status.json carries ~4 curves of this many points: ~100 KB at most)
 CURVE_POINTS = 400
@@ -161,14 +159,6 @@ class NodeRates:
         return {"wall_s": t, "series": series}
 
 
-def record_train_metrics(store: HubStore, step: int, wall_s: float, metrics: Mapping[str, Any]) -> None:
-    """One step's figures into ``train_metrics`` (a step trained again after a restart replaces its row)."""
-    clean = {k: v for k, raw in metrics.items() if (v := _num(raw)) is not None}
-    with store._tx() as db:
-        db.execute("INSERT OR REPLACE INTO train_metrics (step, wall_s, metrics) VALUES (?, ?, ?)",
-                   (int(step), float(wall_s), json.dumps(clean)))
-
-
 class HubCurves:
     """The live hub's curves; ``update(hub)`` on the loop before each status snapshot."""
 
@@ -186,20 +176,14 @@ class HubCurves:
         now = time.time() if now is None else now
         tr = hub.trainer
         self._started = hub.started
-        # trainmetrics' figures of the last steps (when the training room keeps them), by step
-        extra = {int(r["step"]): r for r in getattr(tr, "train_metrics", ()) if isinstance(r, Mapping) and "step" in r}
-        # Until the training room records its own figures (trainmetrics.py, issue 21 "track"), the
-        # history's are stored here so `echo2 hub report` has per-step curves: same table, names.
-        record = not hasattr(tr, "train_metrics")
+        # trainmetrics' figures of the last steps (TRL's names; the training room keeps the last 100), by step
+        extra = {int(r["step"]): r for r in tr.train_metrics}
         for h in tr.history:  # steps are appended in order; only the new ones are read
             step = int(h.get("step", -1))
             if step <= self._step:
                 continue
             self._step = step
-            figures = train_figures({**h, **extra.get(step, {})})
-            self.train.add((float(step), float(h.get("t", 0.0))), figures)
-            if record:
-                hub.store.submit(record_train_metrics, step, float(h.get("t", 0.0)), figures)
+            self.train.add((float(step), float(h.get("t", 0.0))), train_figures({**h, **extra.get(step, {})}))
         for e in hub.evaluator.history:
             if e["step"] > self._eval_step:
                 self._eval_step = int(e["step"])

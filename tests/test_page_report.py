@@ -120,6 +120,9 @@ def test_curves_and_report_of_a_real_run(tmp_path: Path) -> None:
     train = st["curves"]["train"]
     assert train["step"] == [1.0, 2.0, 3.0] and train["wall_s"] == sorted(train["wall_s"])
     assert len(train["series"]["reward"]) == 3 and "echo2/learner_busy_fraction" in train["series"]
+    # trainmetrics' figures (TRL's names) join the training room's history on the same steps
+    assert all(v is not None for v in train["series"]["completions/mean_length"])
+    assert any(k.startswith("rewards/") and k.endswith("/mean") for k in train["series"])
     [row] = st["nodes"]
     assert {"versions_behind", "tokens_per_s_1m", "tokens_per_s_5m"} <= set(row)
     page = render_html(st)
