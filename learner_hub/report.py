@@ -227,7 +227,7 @@ def write_pngs(report: dict[str, Any], out_dir: Path) -> list[Path]:
                 if ys:
                     pts = [(a, b) for a, b in zip(block[x], ys, strict=False) if b is not None]
                     ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o" if len(pts) < 40 else None,
-                            label=k if len(k) < 30 else k[:12] + "..." + k[-8:])
+                            label=k.removeprefix("rewards/").removesuffix("/mean") if k.startswith("rewards/") else k[-30:])
             ax.set_title(title)
             ax.set_xlabel(x)
             if ax.get_legend_handles_labels()[0]:

@@ -115,11 +115,11 @@ def _short_run(tmp_path: Path, steps: int) -> tuple[Hub, list[int]]:
 
 @pytest.mark.timeout(120)
 def test_curves_and_report_of_a_real_run(tmp_path: Path) -> None:
-    hub, tokens = _short_run(tmp_path, steps=3)
+    hub, tokens = _short_run(tmp_path, steps=2)
     st = hub.status()
     train = st["curves"]["train"]
-    assert train["step"] == [1.0, 2.0, 3.0] and train["wall_s"] == sorted(train["wall_s"])
-    assert len(train["series"]["reward"]) == 3 and "echo2/learner_busy_fraction" in train["series"]
+    assert train["step"] == [1.0, 2.0] and train["wall_s"] == sorted(train["wall_s"])
+    assert len(train["series"]["reward"]) == 2 and "echo2/learner_busy_fraction" in train["series"]
     # trainmetrics' figures (TRL's names) join the training room's history on the same steps
     assert all(v is not None for v in train["series"]["completions/mean_length"])
     assert any(k.startswith("rewards/") and k.endswith("/mean") for k in train["series"])
@@ -129,22 +129,24 @@ def test_curves_and_report_of_a_real_run(tmp_path: Path) -> None:
     assert 'id="tables"' in page and "echo2Live(" in page
     # evaluations as the hub records them (its store's own API), then the report, while the hub's
     # store worker still holds the database open
-    for step, acc in ((0, 0.25), (2, 0.75), (3, 0.5)):
+    for step, acc in ((0, 0.25), (1, 0.75), (2, 0.5)):
         hub.store.submit(HubStore.record_eval, {"step": step, "wall_s": float(step), "mean_reward": acc / 2,
                                                 "accuracy": acc, "n": 4, "excluded": 0}, time.time())
     hub.store.flush()
     out = tmp_path / "out"
     out.mkdir()
-    rep = run_report(tmp_path, out / "r.html", out / "r.json", None)
+    rep = run_report(tmp_path, out / "r.html", out / "r.json", out / "png")
+    pngs = sorted(out.joinpath("png").iterdir())
+    assert len(pngs) == 6 and all(p.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" for p in pngs)
     s = json.loads((out / "r.json").read_text())["summary"]
     assert s == rep["summary"]
-    assert s["steps"] == 3 and s["nodes_seen"] == 1 and s["bans"] == {}
+    assert s["steps"] == 2 and s["nodes_seen"] == 1 and s["bans"] == {}
     assert s["accepted_tokens"] == sum(tokens) and s["accepted_results"] == len(tokens)
-    assert (s["eval_accuracy_first"], s["eval_accuracy_best"], s["eval_accuracy_best_step"], s["eval_accuracy_last"]) == (0.25, 0.75, 2, 0.5)
-    assert rep["curves"]["eval"]["step"] == [0.0, 2.0, 3.0]
-    assert rep["curves"]["broadcast"]["version"] == [0.0, 1.0, 2.0, 3.0][: len(rep["curves"]["broadcast"]["version"])]
+    assert (s["eval_accuracy_first"], s["eval_accuracy_best"], s["eval_accuracy_best_step"], s["eval_accuracy_last"]) == (0.25, 0.75, 1, 0.5)
+    assert rep["curves"]["eval"]["step"] == [0.0, 1.0, 2.0]
+    assert rep["curves"]["broadcast"]["version"] == [0.0, 1.0, 2.0][: len(rep["curves"]["broadcast"]["version"])]
     # the train_metrics table records every step
-    assert s["per_step_figures"] and rep["curves"]["train"]["step"] == [1.0, 2.0, 3.0]
+    assert s["per_step_figures"] and rep["curves"]["train"]["step"] == [1.0, 2.0]
     assert s["reward_first"] == train["series"]["reward"][0] and s["reward_last"] == train["series"]["reward"][-1]
     # one self-contained file: every script inline, nothing fetched
     html_text = (out / "r.html").read_text()

@@ -9,7 +9,17 @@
   var last = null;
   var plots = [];
 
+  var LABELS = {
+    "echo2/learner_busy_fraction": "learner busy (measured)",
+    "echo2/predicted_busy_fraction": "capacity model",
+    "completions/mean_length": "mean length",
+    "echo2/staleness_mean": "staleness",
+  };
+
   function short(name) {
+    if (LABELS[name]) return LABELS[name];
+    var m = /^rewards\/(.*)\/mean$/.exec(name);  // TRL's per-function reward: its function's name
+    if (m) name = m[1];
     return name.length > 24 ? name.slice(0, 10) + "\u2026" + name.slice(-6) : name;
   }
 
