@@ -55,6 +55,8 @@ def hub_status(hub: Hub) -> dict[str, Any]:
                 "held_version": n.held_version,
                 # how far its weights are behind the newest version, and its accepted tokens/s lately
                 "versions_behind": None if latest < 0 or n.held_version < 0 else latest - n.held_version,
+                # mean staleness of its rows that were trained (learner version before the step - theirs)
+                "staleness_mean": round(tr.trained_staleness[n.peer_id] / rows, 3) if (rows := tr.trained_rows[n.peer_id]) else None,
                 **rates.get(n.peer_id, {}),
                 "tasks_done": n.tasks_done,
                 "rollouts": n.rollouts,

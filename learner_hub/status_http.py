@@ -260,7 +260,7 @@ def _summary(status: Mapping[str, Any]) -> str:
 
 
 #: the per-node table's columns, in order (status.json has more)
-NODE_COLUMNS = ("peer_id", "state", "held_version", "versions_behind", "tokens_per_s_1m", "tokens_per_s_5m",
+NODE_COLUMNS = ("peer_id", "state", "held_version", "versions_behind", "staleness_mean", "tokens_per_s_1m", "tokens_per_s_5m",
                 "tasks_done", "rollouts", "tokens", "refused", "reputation", "price_usd_per_hour", "cost_usd")
 
 
@@ -283,7 +283,8 @@ def render_tables(status: Mapping[str, Any]) -> str:
     return f"""<div id="tables">
 {_summary(status)}
 <h2>Fleet ({len(nodes)} nodes)</h2>
-<p>tokens/s over the last 1 and 5 minutes; versions behind: the newest version minus the one it holds</p>
+<p>tokens/s over the last 1 and 5 minutes; versions behind: the newest version minus the one it holds;
+staleness: mean over its trained rows of the learner's version before the step minus the row's</p>
 {_table(node_rows)}
 <h2>Evaluations (latest 20)</h2>
 {_table(eval_rows)}

@@ -170,6 +170,7 @@ class Trainer:
         #: every row is checked against the published weights it was made with before a step
         self.verifier = Verifier(learner, published_weights(publisher), cfg.logprob_tolerance, fraction=cfg.verify_fraction)
         self.trained_rows: Counter[str] = Counter()  # node -> rows that entered a GRPO step
+        self.trained_staleness: Counter[str] = Counter()  # node -> sum of those rows' staleness (status page)
         self._buffer_changed = trio.Event()
         self._trained: set[str] = set()  # tasks with a group trained and groups still buffered
         # each step's figures (trainmetrics.py): the last ones for status.json, all to the store and trackers
@@ -361,6 +362,7 @@ class Trainer:
             for g in groups:
                 for smp in g.samples:
                     self.trained_rows[smp.node_id] += 1
+                    self.trained_staleness[smp.node_id] += self.learner.version - 1 - smp.version
             t1 = time.time()
             self.busy_s += t1 - t0
             self.t_last_step_end = t1

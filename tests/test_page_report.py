@@ -125,6 +125,7 @@ def test_curves_and_report_of_a_real_run(tmp_path: Path) -> None:
     assert any(k.startswith("rewards/") and k.endswith("/mean") for k in train["series"])
     [row] = st["nodes"]
     assert {"versions_behind", "tokens_per_s_1m", "tokens_per_s_5m"} <= set(row)
+    assert 0.0 <= row["staleness_mean"] <= 1.0  # its rows were made with version 0, trained at steps 1 and 2
     page = render_html(st)
     assert 'id="tables"' in page and "echo2Live(" in page
     # evaluations as the hub records them (its store's own API), then the report, while the hub's
