@@ -13,6 +13,8 @@ from functools import cache
 from importlib import resources
 from typing import Any
 
+from .status_http import json_safe
+
 #: the files inlined into every page (read once per process)
 ASSETS = ("uPlot.iife.min.js", "uPlot.min.css", "page.js")
 
@@ -27,7 +29,7 @@ def asset(name: str) -> str:
 def script_json(data: Any) -> str:
     """JSON safe inside a ``<script>`` element: ``<``, ``>`` and ``&`` escaped as JSON escapes,
     so no ``</script>`` in the data can end the element."""
-    text = json.dumps(data, allow_nan=False, separators=(",", ":"))
+    text = json.dumps(json_safe(data), allow_nan=False, separators=(",", ":"))
     return text.replace("<", "\\u003c").replace(">", "\\u003e").replace("&", "\\u0026")
 
 

@@ -18,6 +18,7 @@ as uPlot takes it: ``{"train": {"step": [...], "wall_s": [...], "series": {name:
 
 from __future__ import annotations
 
+import math
 import time
 from collections import deque
 from collections.abc import Iterable, Mapping
@@ -47,8 +48,8 @@ BROADCAST_KEYS = ("first_s", "median_s", "last_s")
 
 
 def _num(x: Any) -> float | None:
-    if isinstance(x, bool) or not isinstance(x, (int, float)) or x != x:
-        return None
+    if isinstance(x, bool) or not isinstance(x, (int, float)) or not math.isfinite(x):
+        return None  # JSON has no NaN or infinity, and a diverged loss is no point to draw
     return float(x)
 
 

@@ -10,7 +10,8 @@ operator-configured name; any port): a page whose DNS name was re-pointed at 127
 rebinding) gets 421, a request without Host 400.
 
 Routes: ``/status.json`` (``status_provider()``), ``/`` (HTML rendered from the same dict: tables,
-and charts drawn by inlined JavaScript), ``/tables.html`` (its tables alone), ``/metrics`` (Prometheus text format 0.0.4 from ``metrics_provider()``).
+and charts drawn by inlined JavaScript), ``/tables.html`` (its tables alone), ``/metrics``
+(Prometheus text format 0.0.4 from ``metrics_provider()``).
 """
 
 from __future__ import annotations

@@ -28,7 +28,7 @@ from echo2.protocol.messages import ErrorReply, Heartbeat, HoldsVersion, Result,
 def test_series_stays_bounded_and_covers_the_whole_run() -> None:
     s = Series(("step", "wall_s"), cap=8)
     for i in range(1000):
-        s.add((float(i), 2.0 * i), {"reward": i / 1000, "bad": float("nan")})
+        s.add((float(i), 2.0 * i), {"reward": i / 1000, "bad": float("nan"), "worse": float("inf")})
         pts = s.points()
         assert len(pts) <= 9 and pts[0][0][0] == 0.0 and pts[-1][0][0] == float(i)  # first and newest kept
     xs = [p[0][0] for p in s.points()]
@@ -36,7 +36,7 @@ def test_series_stays_bounded_and_covers_the_whole_run() -> None:
     assert all(b - a == s.stride for a, b in zip(xs[:-2], xs[1:-1], strict=True))  # evenly thinned
     cols = s.columns()
     assert cols["step"] == xs and cols["wall_s"] == [2 * x for x in xs]
-    assert list(cols["series"]) == ["reward"]  # NaN is no point
+    assert list(cols["series"]) == ["reward"]  # NaN and infinity are no points
 
 
 def test_node_rates_over_the_last_minutes() -> None:

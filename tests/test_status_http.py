@@ -262,3 +262,14 @@ def test_a13_host_name_parsing() -> None:
         assert host_name(bad) is None, bad
     assert StatusServer(dict, list, host="0.0.0.0").allowed_hosts == {"localhost", "127.0.0.1", "::1"}
     assert "10.1.2.3" in StatusServer(dict, list, host="10.1.2.3").allowed_hosts
+
+
+def test_page_embeds_curves_as_inert_json() -> None:
+    """The curves go into the page as JSON no string can break out of (``</script>``), without
+    NaN or infinity (strict JSON for the browser's parser)."""
+    evil = "</script><script>alert(1)</script>"
+    page = render_html({"curves": {"train": {"step": [1.0, 2.0], "series": {evil: [math.inf, 0.5]}}}})
+    assert evil not in page
+    start = page.index('<script type="application/json" id="curves-data">') + len('<script type="application/json" id="curves-data">')
+    data = json.loads(page[start : page.index("</script>", start)])
+    assert data == {"train": {"step": [1.0, 2.0], "series": {evil: [None, 0.5]}}}
