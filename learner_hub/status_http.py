@@ -261,8 +261,8 @@ def _summary(status: Mapping[str, Any]) -> str:
 
 
 #: the per-node table's columns, in order (status.json has more)
-NODE_COLUMNS = ("peer_id", "state", "held_version", "versions_behind", "staleness_mean", "tokens_per_s_1m", "tokens_per_s_5m",
-                "tasks_done", "rollouts", "tokens", "refused", "reputation", "price_usd_per_hour", "cost_usd")
+NODE_COLUMNS = ("peer_id", "state", "versions_behind", "staleness_mean", "tokens_per_s_1m", "tokens_per_s_5m",
+                "tokens", "refused", "reputation", "price_usd_per_hour", "cost_usd")
 
 
 def render_tables(status: Mapping[str, Any]) -> str:
