@@ -8,6 +8,7 @@ import os
 import struct
 import time
 from collections import Counter
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 import trio
@@ -265,7 +266,7 @@ async def a3_replay_flood(ctx: Ctx) -> Effect:
                         d = await admit(host, fz.hub_addr)
                         outcomes["admitted" if d.admitted else "refused"] += 1
                     except Echo2Error as exc:
-                        outcomes[str(getattr(exc, "code", type(exc).__name__))] += 1
+                        outcomes[_a3_outcome(exc)] += 1
 
     probe = HonestProbe(fz.hub_addr)
     async with trio.open_nursery() as n:
@@ -294,18 +295,37 @@ async def a3_replay_flood(ctx: Ctx) -> Effect:
         return effect, False if per_s > 0 else None
     honest_guard_growth = _guard_growth(guards0, guards1, lambda name: "stranger" not in name and "unadmitted" not in name)
     stranger_guard_growth = _guard_growth(guards0, guards1, lambda name: "stranger" in name or "unadmitted" in name)
-    effect["honest_guard_growth"] = honest_guard_growth  # honest peers' own traffic grows it too
+    effect["honest_guard_growth"] = honest_guard_growth  # the honest peers' own traffic: reported, not judged
     effect["stranger_guard_growth"] = stranger_guard_growth
-    # the flood's requests that reached the admission handler (opened envelopes: nonces); those
-    # the hub reset before negotiating their protocol (the per-IP stream gate) reach no guard
-    requests = sum(v for k, v in outcomes.items() if k in ("admitted", "refused", "meaning"))
-    # Prevented: no honest message refused as a replay, and the flood's nonces went to the
-    # strangers' pool (at least half of what it sent), not to the pool honest peers use.
-    # (or the strangers' pool is full and evicting: its growth is bounded by design)
+    return effect, a3_prevented(outcomes, guards1, stranger_guard_growth, honest_replay)
+
+
+#: What the hub answers a request its per-IP admission bucket refused: refused before the envelope
+#: is opened, so it leaves no nonce in any guard (hub.on_admission).
+A3_RATE_LIMITED = "too many admission requests"
+
+
+def _a3_outcome(exc: Exception) -> str:
+    if A3_RATE_LIMITED in str(exc):
+        return "rate_limited"
+    return str(getattr(exc, "code", type(exc).__name__))
+
+
+def a3_prevented(outcomes: Mapping[str, int], guards1: dict[str, Any], stranger_growth: float, honest_replay: int) -> bool:
+    """A3's verdict. Prevented: no honest message was refused as a replay, and the flood's nonces
+    went to the strangers' own pool: it grew by at least half of the flood's requests that reached
+    a guard (those the per-IP bucket refused never did), or it is full and evicting (bounded by
+    design). The honest pool grows with the honest peers' own traffic whatever the flood does, so
+    its growth is no evidence either way: the guards are separate objects (hub.py), and a flood
+    nonce in the honest pool would show as an honest refusal once it filled, which is counted."""
+    reached = sum(v for k, v in outcomes.items() if k != "rate_limited" and k not in _A3_NO_REQUEST)
     full = any(isinstance(v, dict) and ("stranger" in k or "unadmitted" in k) and v.get("entries", 0) >= v.get("max_entries", 1)
                for top in guards1.values() if isinstance(top, dict) for k, v in top.items())
-    absorbed = (full or stranger_guard_growth >= requests / 2) and honest_guard_growth < max(1.0, requests / 2)
-    return effect, honest_replay == 0 and absorbed
+    return honest_replay == 0 and (full or stranger_growth >= reached / 2)
+
+
+#: Flood outcomes that mean no request reached the hub's handler (the connection failed first).
+_A3_NO_REQUEST = frozenset({"transport", "timeout", "TooSlowError", "ConnectionError", "OSError"})
 
 
 def _guard_growth(g0: dict[str, Any], g1: dict[str, Any], pick: Any) -> float:

@@ -26,7 +26,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="tiny", help='"tiny", "smollm2" or a local Hugging Face model directory')
     p.add_argument("--tiny-hidden", type=int, default=128)
     p.add_argument("--tiny-layers", type=int, default=2)
-    p.add_argument("--lora", action="store_true", help="a LoRA policy (not supported with procs > 1 yet)")
+    p.add_argument("--lora", action="store_true", help="a LoRA policy: adapters only train (one process: procs > 1 "
+                   "refuses LoRA, as the hub does)")
+    p.add_argument("--lora-r", type=int, default=16, help="LoRA rank (alpha = 2r, the hub's default target modules)")
     p.add_argument("--steps", type=int, default=3, help="learner steps per configuration")
     p.add_argument("--prompts", type=int, default=8, help="prompts per step")
     p.add_argument("--group", type=int, default=8, help="completions per prompt")
@@ -70,20 +72,17 @@ def run(args: argparse.Namespace) -> int:
 
     from echo2.learner_hub.distributed import ShardedLearner, local_bytes, optimizer_bytes
     from echo2.learner_hub.learner import Learner
-    from echo2.models import gguf
     from echo2.models import spec as modelspec
+    from echo2.models.lora import ADAPTER_PREFIX
+    from echo2.models.policy import load_policy
 
     procs = [int(x) for x in args.procs.split(",") if x.strip()]
-    if args.lora:
-        print("--lora: LoRA policies are not supported by this learner bench yet (and not with procs > 1)")
-        return 2
+    if args.lora and procs != [1]:
+        # the hub refuses lora with learner_procs > 1 (config.check_lora): nothing to measure there
+        print(f"--lora: a sharded LoRA learner is not supported yet; measuring procs 1 only (asked: {args.procs})")
+        procs = [1]
     torch.manual_seed(args.seed)
-    if args.model == "tiny":
-        conf = modelspec.tiny_config(hidden=args.tiny_hidden, layers=args.tiny_layers)
-        mc, arts = modelspec.artifacts_for(conf, modelspec.tokenizer_json())
-        model = modelspec.model_from_config(mc)
-    else:
-        model, mc, arts = modelspec.load_local_model(gguf.resolve_model(args.model))
+    model, mc, arts = load_policy(args.model, args.tiny_hidden, args.tiny_layers)
     model = model.float().eval()
     tok = modelspec.load_tokenizer(arts)
     vocab = int(model.get_input_embeddings().weight.shape[0])
@@ -97,6 +96,16 @@ def run(args: argparse.Namespace) -> int:
     n_params = sum(p.numel() for p in model.parameters())
     report: dict[str, Any] = {"model": args.model, "parameters": n_params, "steps": args.steps,
                               "rows_per_step": args.prompts * args.group, "configs": []}
+    if args.lora:
+        from echo2.learner_hub.config import LoraSpec
+        from echo2.models import lora
+
+        spec = LoraSpec(r=args.lora_r, alpha=2 * args.lora_r)
+        # as the hub's build_learner: peft injects the adapters, the learner runs the inner model
+        model = lora.wrap(model, r=spec.r, alpha=spec.alpha, target_modules=spec.target_modules).get_base_model()
+        kw["lr"] = 5e-4  # adapters want a larger step than a full fine-tune (the README's LoRA runs)
+        report["lora"] = {"r": spec.r, "alpha": spec.alpha, "target_modules": spec.target_modules,
+                          "trainable": sum(p.numel() for p in model.parameters() if p.requires_grad)}
     base: dict[str, Any] | None = None  # one process: first step's loss and weights, memory
 
     class Measured(Learner):
@@ -133,6 +142,9 @@ def run(args: argparse.Namespace) -> int:
             pub = learner.state_dict_for_publish()
             pub_s = time.perf_counter() - t0
             pub_bytes = sum(t.numel() * t.element_size() for t in pub.values())
+            # what a delta version really carries: for LoRA the adapter tensors (the base's chunks
+            # are byte-identical in every version: zero-XOR frames, never fetched twice)
+            changing = sum(t.numel() * t.element_size() for k, t in pub.items() if k.startswith(ADAPTER_PREFIX))
             if n == 1:
                 mem = [{"params": local_bytes(list(learner.model.parameters())), "grads": learner.grad_bytes,
                         "optimizer": optimizer_bytes(learner.optimizer)}]
@@ -152,6 +164,9 @@ def run(args: argparse.Namespace) -> int:
             "params_grads_optimizer_bytes_max_rank": max(m["params"] + m["grads"] + m["optimizer"] for m in mem),
             "publish_s": round(pub_s, 4), "publish_bytes": pub_bytes,
         }
+        if args.lora:
+            cfg["adapter_bytes"] = changing
+            cfg["adapter_vs_publish"] = round(changing / max(pub_bytes, 1), 5)
         if n > 1 and one_ref is not None:
             # The check is the issue's: one identical batch (the first step). AdamW's first update
             # is lr * sign(g) wherever |g| >> eps, so the weights agree even for slightly
@@ -181,6 +196,7 @@ def run(args: argparse.Namespace) -> int:
             f"(+grads {cfg['params_grads_optimizer_bytes_max_rank'] / 1e6:.2f} MB)"
             + (f", x{cfg['params_optimizer_ratio_vs_1']} of 1 process" if "params_optimizer_ratio_vs_1" in cfg else "")
             + f", publish {pub_s * 1000:.0f} ms / {pub_bytes / 1e6:.2f} MB"
+            + (f" (adapter {cfg['adapter_bytes'] / 1e6:.2f} MB, x{cfg['adapter_vs_publish']})" if args.lora else "")
             + (f"; vs 1 process, step 1: loss rel {eq['loss_rel']:.1e}, grad norm rel {eq['grad_norm_rel']:.1e}, "
                f"weights max rel {eq['weights_max_rel']:.1e} "
                f"({'OK' if eq['ok'] else 'DIFFERENT'})" if eq else "")

@@ -20,14 +20,9 @@ from typing import Any
 
 
 def _model(name: str) -> tuple[Any, str]:
-    from echo2.models import gguf
-    from echo2.models import spec as modelspec
+    from echo2.models.policy import load_policy
 
-    if name == "tiny":
-        conf = modelspec.tiny_config(hidden=128, layers=2)
-        mc, _arts = modelspec.artifacts_for(conf, modelspec.tokenizer_json())
-        return modelspec.model_from_config(mc), mc
-    model, mc, _arts = modelspec.load_local_model(gguf.resolve_model(name))
+    model, mc, _arts = load_policy(name, tiny_hidden=128, tiny_layers=2)
     return model, mc
 
 

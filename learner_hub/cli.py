@@ -1,4 +1,4 @@
-"""``echo2 hub init | run | admit | token | nodes | ledger | plan | report``."""
+"""``echo2 hub init | run | admit | token | join-string | nodes | ledger | plan | report``."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from pathlib import Path
 
 
 def register(parser: argparse.ArgumentParser) -> None:
-    sub = parser.add_subparsers(dest="hub_cmd", metavar="{init,run,admit,token,nodes,ledger,plan,report}")
+    sub = parser.add_subparsers(dest="hub_cmd", metavar="{init,run,admit,token,join-string,nodes,ledger,plan,report}")
     sub.required = True
     init = sub.add_parser("init", help="write a commented config and the hub's key", description="write a commented config and the hub's key")
     init.add_argument("--dir", type=Path, required=True, help="hub directory")
@@ -45,6 +45,20 @@ def register(parser: argparse.ArgumentParser) -> None:
     token.add_argument("--max-uses", type=int, default=None, help="at most this many distinct nodes may join with it")
     dir_arg(token)
     token.set_defaults(func=_token)
+    js = sub.add_parser(
+        "join-string", help="print the hub's address and a new join token as one string for `echo2 node run --join`",
+        description="print MULTIADDR/join/TOKEN: the hub's address (from DIR/hub.addrs, written when the hub starts, "
+        "or --addr) and a new join token (as `echo2 hub token` makes it; --no-token for an open hub)",
+    )
+    js.add_argument("--addr", default=None, help="the address nodes dial (default: the first of DIR/hub.addrs)")
+    js.add_argument("--host", default=None, metavar="NAME",
+                    help="put this host name in the address (/dns4/NAME/...), e.g. the hub's public DNS name")
+    js.add_argument("--no-token", action="store_true", help="no join token (a hub with admission = open)")
+    js.add_argument("--expires", default="7d", help="token lifetime, e.g. 30m, 12h, 7d (default 7d)")
+    js.add_argument("--peer", default=None, help="bind the token to one peer ID")
+    js.add_argument("--max-uses", type=int, default=None, help="at most this many distinct nodes may join with it")
+    dir_arg(js)
+    js.set_defaults(func=_join_string)
     nodes = sub.add_parser("nodes", help="the fleet: hardware, price, measured rate, reputation, state, cost", description="the fleet table")
     dir_arg(nodes)
     nodes.set_defaults(func=_nodes)
@@ -131,11 +145,6 @@ def _admit(args: argparse.Namespace) -> int:
 
 
 def _token(args: argparse.Namespace) -> int:
-    import secrets
-
-    from echo2.keyfile import load_identity
-    from echo2.learner_hub.admission import MAX_TOKEN_USES, make_join_token, parse_duration, token_id
-
     if args.action == "revoke":
         if not args.token_id or not re.fullmatch(r"[0-9a-f]{16}", args.token_id):
             raise SystemExit("usage: echo2 hub token revoke TOKEN_ID (16 hex digits, printed when the token was made)")
@@ -152,6 +161,17 @@ def _token(args: argparse.Namespace) -> int:
         return 0
     if args.token_id:
         raise SystemExit("a token id is only taken by `echo2 hub token revoke ID`")
+    print(_new_token(args))
+    return 0
+
+
+def _new_token(args: argparse.Namespace) -> str:
+    """A join token made and recorded as `echo2 hub token` does (its id goes to stderr)."""
+    import secrets
+
+    from echo2.keyfile import load_identity
+    from echo2.learner_hub.admission import MAX_TOKEN_USES, make_join_token, parse_duration, token_id
+
     if args.max_uses is not None and not 1 <= args.max_uses <= MAX_TOKEN_USES:
         raise SystemExit(f"--max-uses must be in [1, {MAX_TOKEN_USES}]")
     ttl = parse_duration(args.expires)
@@ -160,8 +180,29 @@ def _token(args: argparse.Namespace) -> int:
     tok = make_join_token(ident, ttl_s=ttl, now=now, peer_id=args.peer, nonce=nonce, max_uses=args.max_uses)
     with _store(args.dir) as store:
         store.record_token(token_id(nonce), now, now + ttl, args.max_uses, args.peer)
-    print(tok)
     print(f"token id {token_id(nonce)} (revoke with: echo2 hub token revoke {token_id(nonce)})", file=sys.stderr)
+    return tok
+
+
+def _join_string(args: argparse.Namespace) -> int:
+    from echo2.protocol.joinstring import JoinStringError, make_join_string
+
+    addr = args.addr
+    if addr is None:
+        path = args.dir / "hub.addrs"
+        if not path.exists() or not path.read_text().split():
+            raise SystemExit(f"no {path}: start the hub once (it writes its addresses there) or pass --addr")
+        addr = path.read_text().split()[0]
+    if args.host:
+        # /ip4/IP/tcp/... -> /dns4/NAME/tcp/... (or /ip4, /ip6 when NAME is an address)
+        parts = addr.split("/")
+        kind = "ip6" if ":" in args.host else ("ip4" if re.fullmatch(r"[0-9.]+", args.host) else "dns4")
+        addr = "/".join(["", kind, args.host, *parts[3:]])
+    try:
+        make_join_string(addr)  # the address is checked before a token is made for it
+    except JoinStringError as exc:
+        raise SystemExit(f"echo2 hub join-string: {exc.message}") from exc
+    print(make_join_string(addr, "" if args.no_token else _new_token(args)))
     return 0
 
 

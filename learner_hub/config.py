@@ -124,7 +124,9 @@ class HubConfig:
     kl_coef: Annotated[float, _doc("KL penalty towards the initial policy", ge=0)] = 0.0
     seed: Annotated[int, _doc("seed of the model init and the prompt stream")] = 0
     # the learner on several processes (issue 17): FSDP2 ranks, gloo on CPU, NCCL on GPUs
-    learner_procs: Annotated[int, _doc("learner ranks: 1 = one process; N > 1 = N FSDP2 ranks on this machine", ge=1, le=1024)] = 1
+    learner_procs: Annotated[int, _doc("learner ranks: 1 = one process; N > 1 = N FSDP2 ranks", ge=1, le=1024)] = 1
+    learner_local_procs: Annotated[int, _doc("of learner_procs, the ranks the hub starts on this machine (0 = all); the rest join "
+                                              "from other machines with torchrun (echo2.learner_hub.rank)", ge=0, le=1024)] = 0
     learner_master_addr: Annotated[str, _doc("rendezvous address of the learner ranks (torch.distributed)")] = "127.0.0.1"
     learner_master_port: Annotated[int, _doc("rendezvous port of the learner ranks (0 = a free port)", ge=0, le=65535)] = 0
     mixed_precision: Annotated[Literal["no", "bf16"], _doc("learner_procs > 1: bf16 = FSDP2 bf16 parameters, fp32 gradient reduction")] = "no"
@@ -255,6 +257,13 @@ def check_sampling(cfg: HubConfig, source: str = "HubConfig") -> None:
     if cfg.mixed_precision != "no" and cfg.learner_procs == 1:
         raise ConfigError(f"{source}: mixed_precision = {cfg.mixed_precision!r} applies to sharded ranks (learner_procs > 1); "
                           'the one-process learner computes in `dtype` (set dtype = "bfloat16")')
+    local = cfg.learner_local_procs
+    if local and (local > cfg.learner_procs or cfg.learner_procs == 1):
+        raise ConfigError(f"{source}: learner_local_procs = {local} must be in 1..learner_procs ({cfg.learner_procs}) "
+                          "with learner_procs > 1, or 0 (all ranks here)")
+    if local and local < cfg.learner_procs and not cfg.learner_master_port:
+        raise ConfigError(f"{source}: ranks on other machines (learner_procs {cfg.learner_procs} > learner_local_procs "
+                          f"{local}) need a fixed learner_master_port, and a learner_master_addr they reach")
     if cfg.top_p < 1.0 or cfg.top_k > 0:
         raise ConfigError(f"{source}: top_p = {cfg.top_p:g}, top_k = {cfg.top_k}: echo2 trains on log-probs of the "
                           "untruncated distribution, so sampling must be too: set top_p = 1.0 and top_k = 0")

@@ -90,6 +90,13 @@ class RankSpec:
     mixed_precision: str = "no"  # "bf16": MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)
     activation_checkpointing: bool = False
     device: str = "cpu"  # "cpu" (gloo) or "cuda" (nccl, one device per rank)
+    #: ranks 0..local-1 are the hub's children; the others joined from elsewhere (rank.py, torchrun)
+    #: and learn everything else in this spec, the initial weights included, from rank 0
+    local: int = 0
+
+    @property
+    def remote(self) -> list[int]:
+        return list(range(self.local or self.world, self.world))
 
 
 # ---------------------------------------------------------------------------- model preparation
@@ -255,6 +262,35 @@ def merge_results(parts: Sequence[PassResult], gidx: Sequence[Sequence[int]]) ->
 # ---------------------------------------------------------------------------- the rank processes
 
 
+def _share_spec(rank: int, spec: RankSpec) -> RankSpec:
+    """Rank 0's spec, initial weights included, to the ranks that joined from other machines
+    (they start with only the rendezvous). The weights go tensor by tensor over a gloo group of
+    rank 0 and those ranks (CPU tensors, whatever the main backend), never as one pickle: the
+    largest message is the largest tensor."""
+    import torch.distributed as dist
+
+    box: list[Any] = [None]
+    if rank == 0:
+        head = copy.copy(spec)
+        head.init_state = {}
+        box = [(head, [(k, tuple(v.shape), v.dtype) for k, v in spec.init_state.items()])]
+    dist.broadcast_object_list(box, src=0)
+    head, layout = box[0]
+    members = [0, *head.remote]
+    group = dist.new_group(members, backend="gloo")  # every rank calls new_group, members or not
+    if rank not in members:
+        return spec
+    state: dict[str, Tensor] = {}
+    for name, shape, dtype in layout:
+        t = spec.init_state[name].contiguous() if rank == 0 else torch.empty(shape, dtype=dtype)
+        dist.broadcast(t, src=0, group=group)
+        state[name] = t
+    if rank == 0:
+        return spec
+    head.init_state = state
+    return head  # type: ignore[no-any-return]
+
+
 def _rank_main(rank: int, spec: RankSpec, conn: Any) -> None:
     try:
         _serve(rank, spec, conn)
@@ -278,18 +314,23 @@ def _serve(rank: int, spec: RankSpec, conn: Any) -> None:
     )
     from torch.distributed.device_mesh import init_device_mesh
 
+    # a rank torchrun started knows its place on its machine from torchrun's environment
+    local_rank = int(os.environ.get("LOCAL_RANK", rank))
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", spec.local or spec.world))
     if spec.device == "cuda":
-        device = torch.device("cuda", rank % torch.cuda.device_count())
+        device = torch.device("cuda", local_rank % torch.cuda.device_count())
         torch.cuda.set_device(device)
         backend = "nccl"
     else:
         device, backend = torch.device("cpu"), "gloo"
-        # N ranks share the machine's cores: each gets its share, not all of them
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // spec.world))
+        # the ranks on one machine share its cores: each gets its share, not all of them
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(1, local_world)))
     dist.init_process_group(
         backend, init_method=f"tcp://{spec.addr}:{spec.port}", rank=rank, world_size=spec.world,
         timeout=datetime.timedelta(seconds=PG_TIMEOUT_S),
     )
+    if spec.remote:
+        spec = _share_spec(rank, spec)
     mesh = init_device_mesh(device.type, (spec.world,))
     learner = _build_rank_learner(spec, mesh, device)
     del spec.init_state
@@ -405,6 +446,14 @@ def optimizer_from_fqn(osd: dict[str, Any], names: Sequence[str]) -> dict[str, A
     }
 
 
+def remote_command(addr: str, port: int, world: int, first_rank: int, nproc: int, device: str = "cpu") -> str:
+    """The torchrun line that starts ranks ``first_rank..first_rank+nproc-1`` on another machine
+    (rank.py): torchrun's own rendezvous stays local to that machine (``--standalone``); the
+    ranks meet the hub's at ``addr:port``."""
+    return (f"torchrun --standalone --nproc-per-node {nproc} -m echo2.learner_hub.rank --join {addr}:{port} "
+            f"--world {world} --first-rank {first_rank} --device {device}")
+
+
 class ShardedLearner:
     """The hub's handle on N FSDP2 ranks, with the interface Trainer and Verifier use of
     :class:`Learner`: ``version``, ``step``, ``state_dict_for_publish``, ``checkpoint_state``,
@@ -423,6 +472,7 @@ class ShardedLearner:
         model_config: str,
         *,
         procs: int,
+        local_procs: int = 0,
         addr: str = "127.0.0.1",
         port: int = 0,
         mixed_precision: str = "no",
@@ -433,6 +483,11 @@ class ShardedLearner:
     ) -> None:
         if procs < 1:
             raise ValueError("procs must be >= 1")
+        local = local_procs or procs
+        if not 1 <= local <= procs:
+            raise ValueError(f"local_procs must be in 1..{procs}, not {local_procs}")
+        if local < procs and not port:
+            raise ValueError("ranks on other machines need a fixed rendezvous port (learner_master_port)")
         if mixed_precision not in ("no", "bf16"):
             raise ValueError(f"mixed_precision must be no or bf16, not {mixed_precision!r}")
         self.procs = procs
@@ -449,19 +504,26 @@ class ShardedLearner:
             init_state=self.model.state_dict(), pad_id=int(tokenizer_handle.pad_id),
             eos_id=int(getattr(tokenizer_handle, "eos_id", tokenizer_handle.pad_id)), learner_kwargs=dict(learner_kwargs),
             mixed_precision=mixed_precision, activation_checkpointing=activation_checkpointing, device=device,
+            local=local,
         )
+        if spec.remote:
+            log.warning(
+                "sharded learner: ranks %d..%d run elsewhere; on the other machine(s) start them with: %s",
+                local, procs - 1, remote_command(spec.addr, spec.port, procs, local, procs - local, device),
+            )
         ctx = torch.multiprocessing.get_context("spawn")
         self._conn, child = ctx.Pipe()
         self._procs = [
             ctx.Process(target=_rank_main, args=(r, spec, child if r == 0 else None), daemon=True, name=f"echo2-learner-rank{r}")
-            for r in range(procs)
+            for r in range(local)
         ]
         self._broken: str | None = None
         for p in self._procs:
             p.start()
         child.close()  # ours: a dead rank 0 then reads as EOF
         self._recv(deadline=time.monotonic() + start_timeout_s)
-        log.info("sharded learner: %d ranks on %s (FSDP2, %s, port %d)", procs, device, "gloo" if device == "cpu" else "nccl", spec.port)
+        log.info("sharded learner: %d ranks (%d here) on %s (FSDP2, %s, port %d)", procs, local, device,
+                 "gloo" if device == "cpu" else "nccl", spec.port)
 
     # --- plumbing -------------------------------------------------------------------------------
     def _fail(self, why: str) -> RankError:

@@ -33,6 +33,7 @@ from echo2.protocol.messages import (
     ErrorReply,
     Heartbeat,
     HoldsVersion,
+    Receipt,
     RelayReport,
     Result,
     TaskDecline,
@@ -53,6 +54,7 @@ from .intake import Accept, Intake, Punish, TaskParams, result_tokens
 from .ledger import Ledger
 from .outbox import Outbox
 from .publisher import PolicyPublisher, StarSender
+from .receipts import make_receipt, seal_receipt
 from .recipe import build_recipe
 from .reputation import Event
 from .rewards import RewardRunner, Scored, TrainerState, apply_scores, batch_of, load_reward_funcs
@@ -243,10 +245,11 @@ class Hub:
                 rows = []  # banned while its rows were scored: drop_rows_of has run already
             # store: the result and its ledger entry in one durable transaction, queued before the
             # rows can be trained (and marked so), committed before the node hears "accepted"
+            price = self.fleet.task_price_micro(r.task_id, peer)
             pending = self.store.request(HubStore.record_accepted, r.task_id, peer, r.version, tokens=tokens, rollouts=n,
-                                         received_at=now, payload=encode_groups(rows),
-                                         price_micro=self.fleet.task_price_micro(r.task_id, peer))
+                                         received_at=now, payload=encode_groups(rows), price_micro=price)
             self.ledger.accept(peer, n, tokens)
+            receipt = self._receipt(peer, r.task_id, n, tokens, price, now)
             self.reputation.record(peer, Event.ACCEPTED)
             node.tasks_done, node.rollouts, node.tokens = node.tasks_done + 1, node.rollouts + n, node.tokens + tokens
             if rows:
@@ -256,7 +259,7 @@ class Hub:
                 self.store.submit(HubStore.drop_pending, [r.task_id], "reward_excluded")
             self.outbox.feed()
         await pending.wait()
-        return envelope.seal(self.identity, ErrorReply(code="ok", message="accepted"))
+        return seal_receipt(self.identity, receipt)  # the node's proof of contribution (issue 19)
 
     async def _eval_result(self, peer: str, r: Result, verdict: Accept, now: float, tokens: int) -> bytes:
         """An accepted eval result: scored, recorded in its evaluation, never trained. The node
@@ -267,11 +270,12 @@ class Hub:
             batch = batch_of(verdict.rows, [g.item for g in verdict.task.groups], verdict.texts)
             scored: Scored = await self.rewards.score(batch, TrainerState(self.learner.version, self.cfg.steps))
             # an empty payload: nothing of it may be restored into training after a restart
+            price = self.fleet.task_price_micro(r.task_id, peer)
             pending = self.store.request(HubStore.record_accepted, r.task_id, peer, r.version, tokens=tokens, rollouts=n,
-                                         received_at=now, payload=encode_groups([]),
-                                         price_micro=self.fleet.task_price_micro(r.task_id, peer))
+                                         received_at=now, payload=encode_groups([]), price_micro=price)
             self.store.submit(HubStore.drop_pending, [r.task_id], "eval")
             self.ledger.accept(peer, n, tokens)  # eval rollouts are paid work: credited as rollouts
+            receipt = self._receipt(peer, r.task_id, n, tokens, price, now)
             self.reputation.record(peer, Event.ACCEPTED)
             node.tasks_done, node.rollouts, node.tokens = node.tasks_done + 1, node.rollouts + n, node.tokens + tokens
             self.intake.book.buffered(r.task_id, 0)  # nothing buffered: the book forgets the task
@@ -280,7 +284,14 @@ class Hub:
                 self.trainer.record_eval(rec)
             self.outbox.feed()
         await pending.wait()
-        return envelope.seal(self.identity, ErrorReply(code="ok", message="accepted"))
+        return seal_receipt(self.identity, receipt)  # the node's proof of contribution (issue 19)
+
+    def _receipt(self, peer: str, task_id: str, rollouts: int, tokens: int, price: int, now: float) -> Receipt:
+        """Taken right after the ledger counted the result: the account it states includes it."""
+        account = self.ledger.row(peer, now)
+        assert account is not None  # ledger.accept just created it
+        return make_receipt(self.identity.peer_id, peer, task_id, rollouts=rollouts, tokens=tokens, price_micro=price,
+                            accepted_at=now, account=account)
 
     async def _score(self, verdict: Accept) -> list[Group]:
         """The accepted rows with their rewards; completions the reward functions could not score

@@ -48,19 +48,14 @@ def build_learner(cfg: HubConfig) -> tuple[Learner | ShardedLearner, Any, str, d
     :class:`~echo2.learner_hub.distributed.ShardedLearner` with the same interface."""
     import torch
 
-    from echo2.models import gguf
     from echo2.models import spec as modelspec
+    from echo2.models.policy import load_policy
 
     check_sampling(cfg)  # also for a HubConfig built in code, which never passed load_config
     check_lora(cfg)
     torch.manual_seed(cfg.seed)
     dtype = torch.bfloat16 if cfg.dtype == "bfloat16" else torch.float32
-    if cfg.model == "tiny":
-        conf = modelspec.tiny_config(hidden=cfg.tiny_hidden, layers=cfg.tiny_layers)
-        model_config, artifacts = modelspec.artifacts_for(conf, modelspec.tokenizer_json())
-        model = modelspec.model_from_config(model_config)
-    else:
-        model, model_config, artifacts = modelspec.load_local_model(gguf.resolve_model(cfg.model))
+    model, model_config, artifacts = load_policy(cfg.model, cfg.tiny_hidden, cfg.tiny_layers)
     tok = modelspec.load_tokenizer(artifacts)
     kw: dict[str, Any] = dict(
         lr=cfg.lr, clip_eps=cfg.epsilon, kl_coef=cfg.kl_coef, temperature=cfg.temperature, dtype=dtype,
@@ -76,11 +71,13 @@ def build_learner(cfg: HubConfig) -> tuple[Learner | ShardedLearner, Any, str, d
         if cfg.lora.enabled:
             raise ConfigError("lora with learner_procs > 1 is not supported yet: set learner_procs = 1 for a LoRA policy")
         device = "cuda" if torch.cuda.is_available() else "cpu"
-        if device == "cuda" and cfg.learner_procs > torch.cuda.device_count():
+        here = cfg.learner_local_procs or cfg.learner_procs
+        if device == "cuda" and here > torch.cuda.device_count():
             # NCCL refuses two ranks on one GPU
-            raise ConfigError(f"learner_procs = {cfg.learner_procs} needs as many GPUs; this machine has {torch.cuda.device_count()}")
+            raise ConfigError(f"{here} learner ranks on this machine need as many GPUs; it has {torch.cuda.device_count()}")
         sharded = ShardedLearner(
-            model, tok, model_config, procs=cfg.learner_procs, addr=cfg.learner_master_addr, port=cfg.learner_master_port,
+            model, tok, model_config, procs=cfg.learner_procs, local_procs=cfg.learner_local_procs,
+            addr=cfg.learner_master_addr, port=cfg.learner_master_port,
             mixed_precision=cfg.mixed_precision, activation_checkpointing=cfg.activation_checkpointing, device=device, **kw,
         )
         return sharded, tok, model_config, artifacts
@@ -114,16 +111,11 @@ def build_learner(cfg: HubConfig) -> tuple[Learner | ShardedLearner, Any, str, d
 def learner_memory(cfg: HubConfig) -> Any:
     """The learner's memory plan for ``cfg`` (memory.py), from the model's config alone: printed
     at start-up and refused, before anything is loaded, when a rank cannot hold its share."""
-    from echo2.models import gguf
-    from echo2.models import spec as modelspec
+    from echo2.models.policy import policy_config
 
     from . import memory
 
-    if cfg.model == "tiny":
-        conf = modelspec.tiny_config(hidden=cfg.tiny_hidden, layers=cfg.tiny_layers)
-        model_config, _ = modelspec.artifacts_for(conf, modelspec.tokenizer_json())
-    else:
-        model_config = modelspec.local_model_config(gguf.resolve_model(cfg.model))
+    model_config = policy_config(cfg.model, cfg.tiny_hidden, cfg.tiny_layers)
     lora = cfg.lora if cfg.lora.enabled else None
     ranks = cfg.learner_procs
     mem = memory.plan(
@@ -138,7 +130,8 @@ def learner_memory(cfg: HubConfig) -> Any:
 
         device = "cuda:0" if torch.cuda.is_available() else "cpu"  # the device build_learner trains on
         warning = memory.check(
-            mem, memory.available_bytes(device, local_ranks=ranks), what=f"each of the {ranks} learner rank(s)",
+            mem, memory.available_bytes(device, local_ranks=cfg.learner_local_procs or ranks),
+            what=f"each of the {ranks} learner rank(s)",
             micro_batch_tokens=cfg.micro_batch_tokens,
         )
         if warning:

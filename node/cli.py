@@ -12,10 +12,14 @@ DEFAULT_DIR = Path.home() / ".echo2" / "node"
 
 
 def register(parser: argparse.ArgumentParser) -> None:
-    sub = parser.add_subparsers(dest="node_cmd", metavar="{run,status,doctor}")
+    sub = parser.add_subparsers(dest="node_cmd", metavar="{run,status,receipts,doctor}")
     sub.required = True
     run = sub.add_parser("run", help="join a hub and produce rollouts", description="join a hub and produce rollouts")
-    run.add_argument("--hub", required=True, help="the hub's multiaddr, ending in /p2p/<peer ID> (see DIR/hub.addrs)")
+    where = run.add_mutually_exclusive_group(required=True)
+    where.add_argument("--hub", help="the hub's multiaddr, ending in /p2p/<peer ID> (see DIR/hub.addrs); "
+                                     "/dns4/NAME/tcp/PORT/p2p/ID and /dns6/... take a host name")
+    where.add_argument("--join", metavar="JOIN_STRING",
+                       help="the hub's address and join token in one string, as `echo2 hub join-string` prints it")
     run.add_argument("--data-dir", type=Path, default=DEFAULT_DIR, help=f"identity, state and chunk store (default {DEFAULT_DIR})")
     run.add_argument("--engine", default="auto", choices=["auto", "transformers", "vllm"])
     run.add_argument("--price", type=float, default=0.0, dest="price", metavar="USD_PER_HOUR", help="your price in USD per hour")
@@ -32,12 +36,21 @@ def register(parser: argparse.ArgumentParser) -> None:
     run.add_argument("--allow-model-hub", action="store_true",
                      help="let transformers reach the Hugging Face hub (default: offline; a node needs nothing from it, "
                           "and a hub-sent setting could make it fetch code)")
+    run.add_argument("--json", action="store_true", dest="json_events",
+                     help="progress as JSON events on stdout, one per line (for machines)")
     run.add_argument("--max-tasks", type=int, default=0, help=argparse.SUPPRESS)
     run.set_defaults(func=_run)
     st = sub.add_parser("status", help="what the running node is doing", description="what the running node is doing")
     st.add_argument("--data-dir", type=Path, default=DEFAULT_DIR)
     st.add_argument("--json", action="store_true", help="machine-readable output")
     st.set_defaults(func=_status)
+    rc = sub.add_parser("receipts", help="the hub's signed receipts for this node's work: credit per hub and day",
+                        description="sum the receipts kept in DATA_DIR/receipts.bin; --verify checks every signature "
+                                    "offline (the key is in the receipt's hub ID) and exits 1 if any fails")
+    rc.add_argument("--data-dir", type=Path, default=DEFAULT_DIR)
+    rc.add_argument("--verify", action="store_true", help="exit 1 unless every kept receipt verifies")
+    rc.add_argument("--json", action="store_true", help="machine-readable output")
+    rc.set_defaults(func=_receipts)
     from .doctor import register_doctor
 
     register_doctor(sub)
@@ -53,8 +66,17 @@ def _run(args: argparse.Namespace) -> int:
     token = args.join_token
     if args.join_token_file is not None:
         token = args.join_token_file.read_text().strip()
+    hub = args.hub
+    if args.join is not None:
+        from echo2.protocol.joinstring import JoinStringError, parse_join_string
+
+        try:
+            hub, joined = parse_join_string(args.join)
+        except JoinStringError as exc:
+            raise SystemExit(f"--join: {exc.message}") from exc
+        token = joined or token
     cfg = NodeConfig(
-        hub=args.hub,
+        hub=hub,
         data_dir=args.data_dir,
         engine=args.engine,
         price_usd_per_hour=args.price,
@@ -66,6 +88,7 @@ def _run(args: argparse.Namespace) -> int:
         max_tasks=args.max_tasks,
         memory_budget_MiB=args.memory_budget_MiB,
         model_hub_offline=not args.allow_model_hub,
+        json_events=args.json_events,
     )
     return run_node(cfg)
 
@@ -75,15 +98,29 @@ def _status(args: argparse.Namespace) -> int:
     if not path.exists():
         print(f"no node state at {path}: is a node running with --data-dir {args.data_dir}?")
         return 1
+    from .receipts import render, summary
+
     state = json.loads(path.read_text())
+    receipts = summary(args.data_dir)  # credit per hub and day, refusals with their reason (issue 19)
     age = time.time() - float(state.get("updated", 0))
     state["state_age_s"] = round(age, 1)
     hours = float(state.get("uptime_s", 0)) / 3600
     state["estimated_earnings_usd"] = round(hours * float(state.get("price_usd_per_hour", 0)), 6)
     if args.json:
-        print(json.dumps(state, indent=1))
+        print(json.dumps(state | {"receipts": receipts}, indent=1))
         return 0
     for key in ("peer_id", "hub", "admitted", "admission_reason", "version", "tasks_done", "tasks_declined",
                 "results_refused", "tokens", "price_usd_per_hour", "estimated_earnings_usd", "state_age_s"):
         print(f"{key:24} {state.get(key)}")
+    print(render(receipts))
     return 0
+
+
+def _receipts(args: argparse.Namespace) -> int:
+    from .receipts import render, summary
+
+    s = summary(args.data_dir)
+    print(json.dumps(s, indent=1) if args.json else render(s))
+    if args.verify and not args.json:
+        print(f"verify: {s['verified']} of {s['receipts']} receipts verified, {len(s['refused'])} refused")
+    return 1 if args.verify and s["refused"] else 0

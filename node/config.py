@@ -24,6 +24,7 @@ class NodeConfig:
     memory_budget_MiB: int = 0
     # transformers and huggingface_hub never touch the network (False: the operator allows it)
     model_hub_offline: bool = True
+    json_events: bool = False  # progress as JSON lines on stdout (`node run --json`), not log lines
 
 
 @dataclass

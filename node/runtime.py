@@ -41,6 +41,7 @@ from echo2.protocol.messages import (
     task_hash,
 )
 from echo2.protocol.net.control import ANNOUNCE_TOPIC, ControlHost
+from echo2.protocol.net.names import reachable_data_addr
 from echo2.protocol.wire import (
     ADMISSION,
     DECLINE,
@@ -59,6 +60,8 @@ from .config import NodeConfig, NodeStats, hub_peer_id
 from .delivery import deliver_until
 from .generate import generate_bounded
 from .hardware import probe
+from .progress import NodeSteps, Progress
+from .receipts import ReceiptBook
 from .relay_runtime import RelayConfig, RelayNode
 from .tasks import TaskRefused, open_task
 from .versions import HeldVersion
@@ -94,6 +97,9 @@ class Node:
         self._current_task: Task | None = None
         self._admitted = trio.Event()
         self.store = ChunkStore(cfg.data_dir / "store")
+        self.receipts = ReceiptBook(cfg.data_dir)  # the hub's signed receipts, kept (issue 19)
+        self.progress = Progress.for_terminal(cfg.json_events)  # what it waits for, said (issue 19)
+        self.steps = NodeSteps(self.progress, self)
         self.relay: Any = None
         self._addrs: list[str] = []
         self.measured: dict[str, float] = {"tokens_per_s": 0.0, "rollouts_per_s": 0.0, "upload_MBps": 0.0, "download_MBps": 0.0}
@@ -169,13 +175,10 @@ class Node:
     # --- main ------------------------------------------------------------------------------------
     async def run(self) -> int:
         model_hub_offline(self.cfg.model_hub_offline)  # before the engine can import transformers
-        from echo2.models.engine import select_engine
-
-        if self.cfg.threads:
-            import torch
-
-            torch.set_num_threads(self.cfg.threads)
-        self._engine = select_engine(self.cfg.engine)
+        trio.lowlevel.spawn_system_task(self.progress.run)  # ends with the run
+        self.steps.engine(self.cfg.engine)
+        # in a thread: importing torch took seconds here, and the progress watcher must keep talking
+        self._engine = await trio.to_thread.run_sync(_select_engine, self.cfg.engine, self.cfg.threads)
         log.info("node %s starting (engine %s, hub %s)", self.peer_id, self._engine.name, self.hub_peer)
         async with ControlHost(self.identity, listen_port=self.cfg.listen_port, listen_host=self.cfg.listen_host) as host:
             host.is_trusted = lambda peer: peer == self.hub_peer  # anyone else gets a stranger's small budget
@@ -240,9 +243,13 @@ class Node:
 
     async def _admit(self, host: ControlHost) -> AdmissionDecision | None:
         backoff = Backoff(base_s=0.5, cap_s=HUB_BACKOFF_CAP_S)
+        attempt = 0
         while True:
             try:
+                attempt += 1
+                self.steps.connecting(self.cfg.hub, attempt)
                 await host.connect(self.cfg.hub)
+                self.steps.admission(self.hub_peer)
                 req = AdmissionRequest(peer_id=self.peer_id, join_token=self.cfg.join_token, announce=self._announce(host))
                 resp = await host.request(
                     self.hub_peer, ADMISSION, envelope.seal(self.identity, req), max_response=MAX_CONTROL_REQUEST, timeout_s=30
@@ -252,16 +259,17 @@ class Node:
                 self.stats.admitted, self.stats.admission_reason = d.admitted, d.reason
                 self._write_state()
                 if not d.admitted:
-                    log.error("hub refused admission: %s", d.reason)
+                    self.steps.refused(d.reason)
                     return None
-                self._hub_data_addr = d.hub_data_addr
+                self._hub_data_addr = reachable_data_addr(d.hub_data_addr, host.remote_ip(self.hub_peer))
                 self._admitted.set()
                 self._admitted = trio.Event()
                 log.info("admitted by hub %s (staleness %d, current version %d)", self.hub_peer, d.staleness, d.current_version)
+                self.steps.admitted(d.current_version)
                 return d
             except (Echo2Error, OSError) as exc:
                 delay = backoff.failed()
-                log.warning("cannot reach hub (%s); retrying in %.1fs", exc, delay)
+                self.steps.unreachable(self.cfg.hub, attempt, exc, delay)
                 await trio.sleep(delay)
 
     # --- policy versions -------------------------------------------------------------------------
@@ -350,6 +358,7 @@ class Node:
     async def _load(self, held: HeldVersion, receive_s: float) -> None:
         m = held.manifest
         t0 = time.monotonic()
+        self.steps.loading(m.version)
         config_changed = self.held is None or self.held.manifest.model_config != m.model_config
         # sized before anything of it is allocated: a model over the budget is refused (ModelTooLarge)
         fp = await trio.to_thread.run_sync(self._check_fit, m.model_config) if config_changed else self._footprint
@@ -360,6 +369,7 @@ class Node:
                 self._footprint, self._rows_cap = fp, 0
                 from .measure import measure_throughput
 
+                self.steps.measuring(m.version)
                 tp = await trio.to_thread.run_sync(lambda: measure_throughput(self._engine, budget_s=2.0))
                 self.measured["tokens_per_s"], self.measured["rollouts_per_s"] = tp.tokens_per_s, tp.rollouts_per_s
                 log.info("measured %.0f tokens/s, %.1f rollouts/s on version %d", tp.tokens_per_s, tp.rollouts_per_s, m.version)
@@ -436,6 +446,7 @@ class Node:
                     await self.version_changed.wait()
                 continue
             self._seq += 1
+            self.steps.idle()
             hb = Heartbeat(
                 peer_id=self.peer_id, seq=self._seq, versions_held=[self.held.version], busy_tasks=0, queue_free=1
             )
@@ -503,6 +514,7 @@ class Node:
     async def _run_task(self, host: ControlHost, task: Task) -> None:
         started = time.time()
         self._current_task = task
+        self.steps.task(task.task_id, len(task.prompts), task.group_size, task.max_new_tokens)
         async with self._engine_lock:
             version = self._engine.version
             t0 = time.monotonic()
@@ -523,6 +535,7 @@ class Node:
             await self._decline(host, task, *declined)
             return
         tokens = sum(len(c.token_ids) for c in completions)
+        self.steps.generated(task.task_id, tokens, len(task.prompts) * task.group_size * task.max_new_tokens, gen_s)
         if version != self._measured_version and gen_s > 0:
             self._measured_version = version
             self.measured["tokens_per_s"] = tokens / gen_s
@@ -539,18 +552,30 @@ class Node:
         )
         try:
             # kept through transient refusals (busy, timeouts) until the task's deadline (A1)
-            await deliver_until(lambda: host.request(self.hub_peer, RESULT, envelope.seal(self.identity, result, ttl_s=300),
+            reply = await deliver_until(lambda: host.request(self.hub_peer, RESULT, envelope.seal(self.identity, result, ttl_s=300),
                                                      max_response=MAX_CONTROL_REQUEST, timeout_s=30),
                                 deadline=min(task.deadline, time.time() + 240), backoff=Backoff(base_s=0.5, cap_s=HUB_BACKOFF_CAP_S))
             self.stats.tasks_done += 1
             self.stats.tokens += tokens
             log.info("result of task %s accepted", task.task_id)  # what the crash bench counts as acknowledged
+            await self.receipts.accepted(reply, hub_peer=self.hub_peer, me=self.peer_id, task_id=task.task_id, replay=self.replay)
         except RemoteError as exc:
             self.stats.results_refused += 1
             log.warning("hub refused result of task %s: %s", task.task_id, exc)
+            await self.receipts.refused(hub_peer=self.hub_peer, task_id=task.task_id, code=exc.code, reason=exc.message)
         except (Echo2Error, OSError) as exc:
             log.warning("result of task %s not delivered: %s", task.task_id, exc)
         self._write_state()
+
+
+def _select_engine(name: str, threads: int) -> Any:
+    from echo2.models.engine import select_engine
+
+    if threads:
+        import torch
+
+        torch.set_num_threads(threads)
+    return select_engine(name)
 
 
 def run_node(cfg: NodeConfig) -> int:

@@ -446,3 +446,12 @@ def peek_domain(data: bytes | bytearray | memoryview) -> str:
     if type(domain) is not str or len(domain) > MAX_DOMAIN_LEN:
         raise SchemaError(f"envelope.d: expected str of <= {MAX_DOMAIN_LEN} chars")
     return domain
+
+
+def signed_at(data: bytes | bytearray | memoryview) -> float:
+    """When the envelope says it was signed, read without verifying anything: for checking a
+    kept envelope (a receipt) long after it expired, as ``open_envelope(..., now=signed_at(data))``."""
+    size = len(data)
+    if size > MAX_ENVELOPE_SIZE:
+        raise TooLarge(f"envelope of {size} bytes exceeds the limit of {MAX_ENVELOPE_SIZE} bytes")
+    return _read_envelope(memoryview(data).cast("B")).created

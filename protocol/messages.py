@@ -458,6 +458,52 @@ class ProbeReply(Message):
     probe_data_addr: str
 
 
+MAX_RECEIPT_TASKS = 16
+
+
+@dataclass(frozen=True)
+class Receipt(Message):
+    """The hub's signed proof that it accepted a batch of a node's results (issue 19).
+
+    Sent in place of the plain "accepted" reply; the node keeps the envelope as received and can
+    verify it offline (the hub's public key is embedded in ``hub_id``). Figures are the hub's own
+    count (tokens counted in the result, not the node's claim). ``price_micro`` is the price per
+    hour in force when the task was issued; ``account_*`` are the node's account at the hub right
+    after this batch: ``account_cost_micro`` is the amount the hub owes the node so far (the
+    ledger bills price x active time), so a node's credit is its latest receipt's figure and the
+    increase between two receipts is what was earned in between.
+    """
+
+    TYPE: ClassVar[str] = "receipt"
+    MAX_SIZE: ClassVar[int] = 4 * KiB
+    SPEC: ClassVar[dict[str, Spec]] = {
+        "hub_id": _PEER,
+        "node_id": _PEER,
+        "task_ids": List(Str(64), MAX_RECEIPT_TASKS, min_len=1),
+        "results": Int(1, INT64_MAX),
+        "rollouts": _U64,
+        "tokens": _U64,
+        "price_micro": _U64,
+        "accepted_at": _NONNEG_F,
+        "account_results": _U64,
+        "account_rollouts": _U64,
+        "account_tokens": _U64,
+        "account_cost_micro": _U64,
+    }
+    hub_id: str
+    node_id: str
+    task_ids: list[str]
+    results: int
+    rollouts: int
+    tokens: int
+    price_micro: int
+    accepted_at: float
+    account_results: int
+    account_rollouts: int
+    account_tokens: int
+    account_cost_micro: int
+
+
 MESSAGE_TYPES: dict[str, type[Message]] = {
     cls.TYPE: cls
     for cls in (
@@ -476,6 +522,7 @@ MESSAGE_TYPES: dict[str, type[Message]] = {
         RelayReport,
         ErrorReply,
         ProbeReply,
+        Receipt,
     )
 }
 MESSAGE_TYPES_BY_DOMAIN: dict[str, type[Message]] = {c.DOMAIN: c for c in MESSAGE_TYPES.values()}

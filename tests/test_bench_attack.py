@@ -92,6 +92,28 @@ def test_outcomes() -> None:
     assert len(table(rows).splitlines()) == 3
 
 
+def test_a3_verdict_counts_only_requests_that_reached_a_guard() -> None:
+    from echo2.bench.attack_hub import A3_RATE_LIMITED, _a3_outcome, a3_prevented
+    from echo2.protocol.framing import RemoteError
+
+    # session 6's run: 87 answered, 922 refused by the per-IP bucket before their envelope was
+    # opened, the strangers' pool grew by 101 (+ the honest probe's own admissions)
+    guards = {"replay_guards": {"admitted": {"entries": 475, "max_entries": 1 << 20},
+                                "unadmitted_admission": {"entries": 103, "max_entries": 10_000}}}
+    assert _a3_outcome(RemoteError("meaning", A3_RATE_LIMITED + " right now; retry later")) == "rate_limited"
+    assert _a3_outcome(RemoteError("meaning", "admission request names another peer")) == "meaning"
+    assert a3_prevented({"admitted": 87, "rate_limited": 922}, guards, 101.0, 0)
+    # the same counts with the bucket's refusals not told apart: the old rule called this a miss
+    assert not a3_prevented({"admitted": 87, "meaning": 922}, guards, 101.0, 0)
+    # nonces that reached a guard but not the strangers' pool: achieved
+    assert not a3_prevented({"admitted": 87, "refused": 300, "rate_limited": 922}, guards, 101.0, 0)
+    # an honest message refused as a replay is never a block
+    assert not a3_prevented({"admitted": 87, "rate_limited": 922}, guards, 101.0, 1)
+    # a full strangers' pool evicts: bounded by design, whatever its growth
+    full = {"replay_guards": {"unadmitted_admission": {"entries": 10_000, "max_entries": 10_000}}}
+    assert a3_prevented({"admitted": 90_000}, full, 0.0, 0)
+
+
 def test_registry_covers_a1_to_a12_and_the_cli_knows_it() -> None:
     import argparse
 

@@ -55,6 +55,7 @@ def corpus() -> list[bytes]:
         messages.RelayReport(PEER, IDENTITIES[1].peer_id, 3, 7, b"\x03" * 32, b"\x04" * 32),
         messages.ErrorReply("schema", "bad"),
         messages.ProbeReply(PEER, b"\x02" * 16, NOW, True, "dialled back", "127.0.0.1:9"),
+        messages.Receipt(PEER, IDENTITIES[1].peer_id, ["t-1"], 1, 4, 32, 100_000, NOW, 1, 4, 32, 7),
     ]
     assert {type(m) for m in msgs} == set(ALL_TYPES)
     return [seal(SIGNER, m, now=NOW, ttl_s=60.0) for m in msgs]

@@ -192,7 +192,7 @@ def test_registry() -> None:
     expected = {
         "announce", "heartbeat", "admission_request", "admission_decision", "task", "result",
         "task_decline", "manifest", "broadcast_plan", "chunk_have", "chunk_request",
-        "holds_version", "relay_report", "error", "probe_reply",
+        "holds_version", "relay_report", "error", "probe_reply", "receipt",
     }  # fmt: skip
     assert set(MESSAGE_TYPES) == expected
     domains = set()

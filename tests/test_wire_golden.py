@@ -94,6 +94,7 @@ def golden() -> dict[str, Any]:
         "relay_report": m.RelayReport(P[0], P[1], 3, 1 << 24, b"\x03" * 32, b"\x04" * 32),
         "error": m.ErrorReply("schema", "bad ☃ \U0001f600"),
         "probe_reply": m.ProbeReply(P[0], b"\x02" * 16, NOW, True, "dialled back", "127.0.0.1:9"),
+        "receipt": m.Receipt(P[2], P[0], ["t-1", "é" * 64], 2, 2**32, 65536, 100_000, NOW, 1, 127, 128, 2**63 - 1),
     }
 
 
@@ -114,6 +115,7 @@ GOLDEN = {
     "relay_report": ("cf5101a9e83f88b2e32171d43e0a25f2fdcda05edf7d9f4f1dbfa686ddc222a0", 236),
     "error": ("7029977ac982b98c10d7a0df5a3ba30b4557b7c706e8556ba9b9ee456df11731", 34),
     "probe_reply": ("0aab14b50bd3bd3da67735b49258838d0bc6bfbfd9536092f00a8e51349347d7", 172),
+    "receipt": ("d496f208018f1ee086c5ef0fabf83add691e75e4ab2fc961c172cacafbf1ac0b", 425),  # issue 19, captured at its introduction
     "envelope_task": ("c9d96e50a4a2c08e4ce8dd9ccbbfb2a45915795bf0a3a9f3fa48f5872c652470", 444),
 }
 TASK_HASH = "626ea549864dad821f852ac36672287330583dfde51fab7c64cd3017492196e3"

@@ -12,6 +12,13 @@ import random
 from pathlib import Path
 
 SYSTEM = "Reply with only the number."
+# One worked exchange before the question (a sum of the training split, so no held-out answer is
+# shown). Measured on SmolLM2-135M-Instruct at the recipe's temperature 0.8: with the system prompt
+# alone, 0 of 192 sampled replies were the bare right number ("The answer is 11.", "6 + 5 = 11"),
+# so GRPO's groups almost never held a correct-format sample to learn from (two 30-minute swarm
+# runs stayed at accuracy 0.00); with this exchange, 10 of 96 were. Greedy held-out accuracy
+# before training: 0/30 without it, 1/30 with it.
+SHOT = ("1 + 3 =", "4")
 SEED = 16
 N_EVAL = 30  # of the 81 sums of two digits 1-9; the other 51 are the training split
 
@@ -25,7 +32,12 @@ def questions() -> list[tuple[str, int]]:
 
 def row(question: str, answer: int) -> dict[str, object]:
     return {
-        "prompt": [{"role": "system", "content": SYSTEM}, {"role": "user", "content": question}],
+        "prompt": [
+            {"role": "system", "content": SYSTEM},
+            {"role": "user", "content": SHOT[0]},
+            {"role": "assistant", "content": SHOT[1]},
+            {"role": "user", "content": question},
+        ],
         "answer": str(answer),
     }
 

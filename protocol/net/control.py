@@ -75,6 +75,7 @@ from .libp2p_host import (
     peer_str,
     remote_ip_of,
 )
+from .names import resolve_addr
 from .reqresp import RequestResponse, TrustPredicate, quiet_close, remote_ip
 
 __all__ = ["ANNOUNCE_TOPIC", "ControlHost", "RequestLimits", "address_key", "remote_ip"]
@@ -444,8 +445,9 @@ class ControlHost(RequestResponse, Gossip):
             raise TransportError(f"dial to {peer} failed: {exc}") from exc
 
     async def connect(self, addr: str) -> str:
-        """Dial ``/ip4/.../tcp/.../p2p/<id>`` (bounded by ``dial_timeout_s``); returns the peer ID."""
-        info = parse_peer_addr(addr)
+        """Dial ``/ip4/.../tcp/.../p2p/<id>`` (bounded by ``dial_timeout_s``); returns the peer ID.
+        ``/dns4/NAME/...``, ``/dns6/NAME/...`` are resolved first (:mod:`.names`)."""
+        info = parse_peer_addr(await resolve_addr(addr))
         await self._dial(info)
         return peer_str(info.peer_id)
 

@@ -49,6 +49,7 @@ from ..framing import (
 )
 from ..peerlimit import ByteBudget, Charge, ConcurrencyLimiter, KeyedRateLimiter, LogThrottle, address_key
 from .libp2p_host import parse_peer_addr, parse_peer_id, peer_str, remote_ip_of
+from .names import resolve_addr
 
 if TYPE_CHECKING:
     from .control import RequestLimits
@@ -396,7 +397,7 @@ class RequestResponse:
     async def _open_stream(self, peer: str, protocol_ids: list[str], deadline: float) -> INetStream:
         host = self._require_host()
         if peer.startswith("/"):
-            info = parse_peer_addr(peer)
+            info = parse_peer_addr(await resolve_addr(peer))
             peer_id = info.peer_id
             if not self.is_connected(peer_str(peer_id)):
                 await self._dial(info)
