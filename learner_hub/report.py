@@ -112,9 +112,13 @@ def node_curves(run: dict[str, Any], t0: float) -> dict[str, Any]:
             b = int((at - t0) // width)
             bins.setdefault(node, Counter())[b] += int(tokens)
             last = max(last, b)
+    if last > 0 and span - last * width < width / 2:  # a stub of a last bin joins the one before it
+        for c in bins.values():
+            c[last - 1] += c.pop(last, 0)
+        last -= 1
     xs = list(range(last + 1)) if bins else []
     # the last bin ends at the last result, not a full width later
-    ends = [min((b + 1) * width, span) if b == last else (b + 1) * width for b in xs]
+    ends = [span if b == last else (b + 1) * width for b in xs]
     return {"wall_s": [round(e, 3) for e in ends],
             "series": {node: [c.get(b, 0) / max(e - b * width, 1e-9) for b, e in zip(xs, ends, strict=True)]
                        for node, c in bins.items()}}
