@@ -155,7 +155,7 @@ def run(args: argparse.Namespace) -> int:
     if args.lr > 0:
         cfg.lr = args.lr
     root = args.dir or Path(tempfile.mkdtemp(prefix="echo2-learn-"))
-    if args.model == "tiny" and Path(cfg.dataset.path).is_dir():
+    if args.model == "tiny" and cfg.dataset.path and Path(cfg.dataset.path).is_dir():
         cfg.dataset.path = str(plain_text_copy(Path(cfg.dataset.path), root / "data-plain"))
     print(f"bench learn: {args.model}, recipe {args.recipe}, {args.nodes} nodes, {args.minutes:g} min, files in {root}",
           flush=True)

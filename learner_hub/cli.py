@@ -1,4 +1,4 @@
-"""``echo2 hub init | run | admit | token | join-string | nodes | ledger | plan | report``."""
+"""``echo2 hub init | run | admit | token | join-string | nodes | ledger | plan | report | export``."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from pathlib import Path
 
 
 def register(parser: argparse.ArgumentParser) -> None:
-    sub = parser.add_subparsers(dest="hub_cmd", metavar="{init,run,admit,token,join-string,nodes,ledger,plan,report}")
+    sub = parser.add_subparsers(dest="hub_cmd", metavar="{init,run,admit,token,join-string,nodes,ledger,plan,report,export}")
     sub.required = True
     init = sub.add_parser("init", help="write a commented config and the hub's key", description="write a commented config and the hub's key")
     init.add_argument("--dir", type=Path, required=True, help="hub directory")
@@ -78,6 +78,24 @@ def register(parser: argparse.ArgumentParser) -> None:
     report.add_argument("--png", type=Path, default=None, metavar="DIR", help="write the curves as PNG files (matplotlib)")
     dir_arg(report)
     report.set_defaults(func=_report)
+    export = sub.add_parser(
+        "export", help="write a policy version as a Hugging Face model directory",
+        description="write a checkpointed policy version (the newest by default) as a Hugging Face model directory: "
+        "config, safetensors weights, generation config, the run's tokenizer and a model card; a LoRA run's adapter in "
+        "peft's format (and with --merge the merged model). Reads the hub directory only, running or stopped.",
+    )
+    dir_arg(export)
+    export.add_argument("--out", type=Path, required=True, help="the model directory to write")
+    which = export.add_mutually_exclusive_group()
+    which.add_argument("--version", type=int, default=None, metavar="N", help="this version (it needs a checkpoint)")
+    which.add_argument("--best-eval", action="store_true", help="the checkpointed version with the best evaluation")
+    export.add_argument("--merge", action="store_true", help="LoRA run: also write the merged model (adapter goes to OUT/adapter)")
+    export.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None,
+                        help="weights dtype (default: the run's publish_dtype, the policy nodes sampled; float32 = master weights)")
+    export.add_argument("--max-shard-size", default="5GB", help="shard model.safetensors above this size (default 5GB)")
+    export.add_argument("--config", type=Path, default=None, help="the run's hub.toml (default: DIR/hub.toml)")
+    export.add_argument("--force", action="store_true", help="replace a non-empty --out")
+    export.set_defaults(func=_export)
 
 
 def _init(args: argparse.Namespace) -> int:
@@ -243,4 +261,18 @@ def _plan(args: argparse.Namespace) -> int:
     nodes = [NodeCapacity(n["node_id"], n["load_s"], n["task_s"], n["rate"]) for n in meta["nodes"]]
     s = meta["staleness"] if args.staleness is None else args.staleness
     print(capacity_report(meta["batch"], max(meta["t_train"], 1e-3), s, nodes, overhead_s=meta.get("overhead_s", 0.0)).format())
+    return 0
+
+
+def _export(args: argparse.Namespace) -> int:
+    from echo2.learner_hub.export import ExportError, export
+
+    try:
+        res = export(args.dir, args.out, version=args.version, best_eval=args.best_eval, merge=args.merge,
+                     dtype=args.dtype, max_shard_size=args.max_shard_size, config=args.config, force=args.force)
+    except ExportError as exc:
+        print(f"echo2 hub export: {exc}", file=sys.stderr)
+        return 1
+    what = "LoRA adapter" + (" + merged model" if res.merged else "") if res.lora else "model"
+    print(f"exported version {res.step} ({res.note}) as a {what} in {res.dtype} to {res.out}: {len(res.files)} files")
     return 0
