@@ -9,7 +9,9 @@ finished one. What it reads:
   report then says so and draws the rest.
 * ``evaluations`` (eval accuracy and mean reward by step), ``versions`` (broadcast times),
   ``results`` (each node's accepted tokens over time, the staleness of its trained rows, refusals
-  by reason), ``ledger`` (cost, tokens, refusals per node), ``nodes`` (seen, banned).
+  by reason), ``ledger`` (cost, tokens, refusals per node), ``nodes`` (seen, banned). Refusals
+  are those the store keeps (results refused, per node); the network edge's (``control.*``,
+  ``dataplane.*`` in status.json) are counted in memory only and are not in a report.
 
 Outputs: a JSON summary, a self-contained HTML file (the status page's charts, uPlot inlined),
 and with ``--png DIR`` (echo2[bench]) the same curves as PNG files.
@@ -80,8 +82,8 @@ def node_table(run: dict[str, Any]) -> list[dict[str, Any]]:
     (learner step that trained it minus the version it was made with, minus one: 0 = fresh),
     cost, banned."""
     per: dict[str, dict[str, Any]] = {}
-    for peer, first, last, state, banned, why in run["nodes"]:
-        per[peer] = {"peer_id": peer, "state": state, "seen_s": round(last - first, 1), "banned": bool(banned),
+    for peer, _first, _last, state, banned, why in run["nodes"]:
+        per[peer] = {"peer_id": peer, "state": state, "banned": bool(banned),
                      "ban_reason": why, "tokens": 0, "results": 0, "refused": 0, "cost_usd": 0.0}
     stale: dict[str, list[int]] = {}
     for node, acc, _reason, tokens, _ro, _at, version, trained in run["results"]:
