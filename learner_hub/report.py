@@ -121,7 +121,7 @@ def node_curves(run: dict[str, Any], t0: float) -> dict[str, Any]:
     xs = list(range(last + 1)) if bins else []
     # the last bin ends at the last result, not a full width later
     ends = [span if b == last else (b + 1) * width for b in xs]
-    return {"wall_s": [round(e, 3) for e in ends],
+    return {"wall_s": ends,
             "series": {node: [c.get(b, 0) / max(e - b * width, 1e-9) for b, e in zip(xs, ends, strict=True)]
                        for node, c in bins.items()}}
 
