@@ -1,4 +1,4 @@
-"""``echo2 hub init | run | admit | token | nodes | ledger | plan | export``."""
+"""``echo2 hub init | run | admit | token | join-string | nodes | ledger | plan | report | export``."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from pathlib import Path
 
 
 def register(parser: argparse.ArgumentParser) -> None:
-    sub = parser.add_subparsers(dest="hub_cmd", metavar="{init,run,admit,token,join-string,nodes,ledger,plan,export}")
+    sub = parser.add_subparsers(dest="hub_cmd", metavar="{init,run,admit,token,join-string,nodes,ledger,plan,report,export}")
     sub.required = True
     init = sub.add_parser("init", help="write a commented config and the hub's key", description="write a commented config and the hub's key")
     init.add_argument("--dir", type=Path, required=True, help="hub directory")
@@ -70,6 +70,14 @@ def register(parser: argparse.ArgumentParser) -> None:
     plan.add_argument("--staleness", type=int, default=None)
     dir_arg(plan)
     plan.set_defaults(func=_plan)
+    report = sub.add_parser("report", help="a run's curves and summary from its store (while it runs or after)",
+                            description="read DIR/hub.sqlite read-only: the run's curves as a self-contained HTML file, "
+                            "PNGs (echo2[bench]) and a JSON summary; prints the summary")
+    report.add_argument("--html", type=Path, default=None, metavar="FILE", help="write the curves and tables as one HTML file")
+    report.add_argument("--json", type=Path, default=None, metavar="FILE", help="write the summary as JSON")
+    report.add_argument("--png", type=Path, default=None, metavar="DIR", help="write the curves as PNG files (matplotlib)")
+    dir_arg(report)
+    report.set_defaults(func=_report)
     export = sub.add_parser(
         "export", help="write a policy version as a Hugging Face model directory",
         description="write a checkpointed policy version (the newest by default) as a Hugging Face model directory: "
@@ -219,6 +227,20 @@ def _join_string(args: argparse.Namespace) -> int:
 def _nodes(args: argparse.Namespace) -> int:
     with _store(args.dir) as store:
         print(store.nodes_report())
+    return 0
+
+
+def _report(args: argparse.Namespace) -> int:
+    import json
+
+    from .report import run_report
+
+    try:
+        rep = run_report(args.dir, args.html, args.json, args.png)
+    except FileNotFoundError as exc:
+        print(f"echo2 hub report: {exc}", file=sys.stderr)
+        return 1
+    print(json.dumps(rep["summary"], indent=2, default=str))
     return 0
 
 

@@ -146,6 +146,10 @@ class HubConfig:
     exit_when_done: Annotated[bool, _doc("stop the hub after `steps`")] = False
     memory_check: Annotated[bool, _doc("refuse to start when a learner rank cannot hold its share of the model (estimate printed at start-up)")] = True
     checkpoint_every: Annotated[int, _doc("checkpoint policy, optimizer and step every K steps (restart resumes)", ge=0)] = 10
+    # experiment tracking (issue 21): TRL's metric names, written as transformers' callbacks write them
+    report_to: Annotated[Literal["none", "tensorboard", "wandb", "trackio"] | list[Literal["tensorboard", "wandb", "trackio"]], _doc(
+        'trackers: "none" or a list of tensorboard | wandb | trackio (pip install echo2[NAME]); offline, under the hub directory')] = "none"
+    run_name: Annotated[str, _doc('the run\'s name in the trackers ("" = the hub directory\'s name)')] = ""
     logprob_tolerance: Annotated[float, _doc("node log-probs must match the learner's recompute within this", ge=0)] = 1e-3
     verify_fraction: Annotated[float, _doc("share of each node's rows recomputed before a step (1 = all; less: a secret random draw, at least one row per node)", gt=0, le=1)] = 1.0
     # A9: reports never ban (two Sybils would do); a relay is banned only when it serves the hub a

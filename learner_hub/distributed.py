@@ -252,6 +252,9 @@ def merge_results(parts: Sequence[PassResult], gidx: Sequence[Sequence[int]]) ->
         for k, v in part.acc.items():
             res.acc[k] += v
         res.ratio_max = max(res.ratio_max, part.ratio_max)
+        res.is_ratio_min = min(res.is_ratio_min, part.is_ratio_min)
+        res.is_ratio_max = max(res.is_ratio_max, part.is_ratio_max)
+        res.logp_diff_max = max(res.logp_diff_max, part.logp_diff_max)
         res.mismatch.extend((idx[i], d) for i, d in part.mismatch)
     return res
 

@@ -35,6 +35,7 @@ class _Run:
     started_wall: float
     done: set[int] = field(default_factory=set)
     rewards: list[float] = field(default_factory=list)
+    parts: list[dict[str, float]] = field(default_factory=list)  # each function's own value, where it applied
     excluded: int = 0
     versions: set[int] = field(default_factory=set)  # policy versions that produced its completions
 
@@ -119,6 +120,7 @@ class Evaluator:
             run.done.add(key[1])
             run.versions.add(version)
             run.rewards += [r for r in rewards if r is not None]
+            run.parts += [p for r, p in zip(rewards, scored.parts[j - n : j], strict=False) if r is not None]
             run.excluded += sum(r is None for r in rewards)
             if len(run.done) == run.expected:
                 done.append(self._finish(run))
@@ -138,6 +140,13 @@ class Evaluator:
             "excluded": run.excluded,
             "eval_s": round(time.time() - run.started_wall, 3),
             "versions": [min(run.versions), max(run.versions)] if run.versions else [],
+            # spread and per reward function, for the trackers' eval_reward_std, eval_rewards/<name>/mean and /std
+            "reward_std": _sample_std(run.rewards),
+            "rewards_by_func": {
+                name: {"mean": sum(vs) / len(vs), "std": _sample_std(vs)}
+                for name in sorted({k for p in run.parts for k in p})
+                for vs in [[p[name] for p in run.parts if name in p]]
+            },
         }
         self.history.append(rec)
         self.history.sort(key=lambda h: h["step"])
@@ -154,6 +163,14 @@ class Evaluator:
             "prompts": len(self.items),
             "pass_threshold": self.pass_threshold,
         }
+
+
+def _sample_std(xs: Sequence[float]) -> float | None:
+    """Bessel-corrected, as TRL's ``nanstd`` (None for fewer than two values)."""
+    if len(xs) < 2:
+        return None
+    m = sum(xs) / len(xs)
+    return float((sum((x - m) ** 2 for x in xs) / (len(xs) - 1)) ** 0.5)
 
 
 def _fmt(x: float | None) -> str:

@@ -146,6 +146,10 @@ class LossStats:
     rows: int = 0  # active rows
     bad_rows: int = 0  # rows dropped for a non-finite or below-floor behaviour log-prob
     is_weight_mean: float = 1.0  # mean truncated IS weight over active tokens (1.0 without a cap)
+    # the two sides of clip_frac (which is their sum), as TRL splits it: ratio < 1 - epsilon with
+    # A < 0 (clip_ratio/low_mean) and ratio > 1 + epsilon_high with A > 0 (clip_ratio/high_mean)
+    clip_low: float = 0.0
+    clip_high: float = 0.0
 
 
 def _k3(logp_other: Tensor, logp_new: Tensor) -> Tensor:
@@ -222,10 +226,12 @@ def grpo_loss(
         surr2 = torch.clamp(ratio, 1.0 - clip_eps, 1.0 + eps_hi) * adv
         per_tok = -torch.minimum(surr1, surr2)
         clipped = (surr2 < surr1).to(m.dtype)
+        clip_low = ((ratio < 1.0 - clip_eps) & (adv < 0)).to(m.dtype)
+        clip_high = ((ratio > 1.0 + eps_hi) & (adv > 0)).to(m.dtype)
     else:
         ratio = torch.ones_like(logp_new)
         per_tok = -adv * logp_new
-        clipped = torch.zeros_like(m)
+        clipped = clip_low = clip_high = torch.zeros_like(m)
     per_tok = torch.where(m > 0, per_tok * is_w, torch.zeros_like(per_tok))
     pg = (per_tok * weights).sum()
     loss = pg
@@ -252,5 +258,7 @@ def grpo_loss(
             rows=int(row_on.sum()),
             bad_rows=int(bad_row.sum()),
             is_weight_mean=float(is_w.sum() / denom) if max_is_ratio > 0 and bool(sel.any()) else 1.0,
+            clip_low=float((clip_low.detach() * m).sum() / denom),
+            clip_high=float((clip_high.detach() * m).sum() / denom),
         )
     return loss, stats

@@ -11,6 +11,7 @@ in the store's thread, the learner and packing in worker threads.
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import logging
 import os
@@ -45,7 +46,8 @@ from echo2.protocol.peerlimit import KeyedRateLimiter
 from echo2.protocol.wire import MAX_RESULT, WORK_POLL_S
 
 from .broadcast import PeerInfo, PipelinedSender, StarWithHolds
-from .config import HubConfig
+from .config import HubConfig, render_config
+from .curves import HubCurves
 from .dispatch import DispatchConfig, Dispatcher
 from .evaluation import Evaluator
 from .fleet import Fleet, NodeInfo
@@ -62,7 +64,9 @@ from .rows import Group, encode_groups
 from .serve import serve
 from .store import HubStore
 from .storeworker import StoreWorker
+from .tracking import Tracker, report_targets
 from .training import Trainer, build_learner, learner_memory
+from .trainmetrics import HubFigures
 
 NODE_SILENCE_S = 3 * WORK_POLL_S + 15.0
 
@@ -116,6 +120,7 @@ class Hub:
         self.learner, self.buffer, self.history = learner, self.trainer.buffer, self.trainer.history
         self.nodes, self.reputation = self.fleet.nodes, self.fleet.reputation
         self.loop_lag = LoopLag()
+        self.curves = HubCurves()  # the status page's curves (curves.py)
         self.started = self.trainer.started
         self.done, self.finished = trio.Event(), False
         self._status_lock: trio.Lock | None = None
@@ -125,6 +130,17 @@ class Hub:
         self.addrs: list[str] = []
         self.data_addr = self.status_url = ""
         self.resumed_from, self.restored_results = self.trainer.resume()
+        self._start_tracking()
+
+    def _start_tracking(self) -> None:
+        """report_to (tracking.py): the trackers get the whole config once, then every step's
+        figures from the training room and the hub's echo2/ figures at that moment."""
+        cfg = self.cfg
+        figures = HubFigures()
+        self.trainer.hub_figures = lambda: figures(self, time.time())
+        if report_targets(cfg.report_to):
+            self.trainer.tracker = Tracker.for_hub(cfg.report_to, self.dir, cfg.run_name or self.dir.resolve().name,
+                                                   dataclasses.asdict(cfg), render_config(cfg))
 
     # the fleet's decisions, as tests and the status page read them
     def _evaluator(self) -> Evaluator:
@@ -269,6 +285,7 @@ class Hub:
             self.intake.book.buffered(r.task_id, 0)  # nothing buffered: the book forgets the task
             for rec in self.evaluator.add(verdict.task.groups, scored, r.version):
                 self.store.submit(HubStore.record_eval, rec, time.time())
+                self.trainer.record_eval(rec)
             self.outbox.feed()
         await pending.wait()
         return seal_receipt(self.identity, receipt)  # the node's proof of contribution (issue 19)
@@ -411,6 +428,7 @@ def run_hub(cfg: HubConfig) -> int:
         return 0
     finally:
         hub.store.close()  # runs the writes still queued
+        hub.trainer.tracker.close()  # the trackers' queued writes, then their files closed
         close = getattr(hub.learner, "close", None)  # a sharded learner's ranks (issue 17)
         if close is not None:
             close()

@@ -36,6 +36,8 @@ def hub_status(hub: Hub, *, with_nodes: bool = True) -> dict[str, Any]:
     st = hub.dispatcher.stats
     tr, fleet = hub.trainer, hub.fleet
     now = time.time()
+    hub.curves.update(hub, now)
+    latest = hub.publisher.latest_version
     return {
         "peer_id": hub.identity.peer_id,
         "addrs": hub.addrs,
@@ -58,7 +60,10 @@ def hub_status(hub: Hub, *, with_nodes: bool = True) -> dict[str, Any]:
         "tasks_declined": st.declined,
         "latest_version": hub.publisher.latest_version,
         "broadcast": hub.publisher.broadcast_metrics(),
-        "nodes": [node_entry(hub, n, now) for n in fleet.nodes.values()] if with_nodes else [],
+        "nodes": [node_entry(hub, n, now, latest) for n in fleet.nodes.values()] if with_nodes else [],
+        # the last steps' figures under TRL's names and echo2/ (trainmetrics.py; all of them: the store)
+        "train_metrics": list(tr.train_metrics),
+        "tracking": tr.tracker.report(),
         # past entries are never changed again; the newest may still get its overhead_s
         "history": tr.history[:-1] + [dict(h) for h in tr.history[-1:]],
         "status_url": hub.status_url,
@@ -73,6 +78,8 @@ def hub_status(hub: Hub, *, with_nodes: bool = True) -> dict[str, Any]:
         "rewards": hub.rewards.report(),
         # evaluations through the swarm: {"history": [{"step", "wall_s", "mean_reward", "accuracy", "n"}...], "latest"}
         "eval": hub.evaluator.report(),
+        # the run's curves for the status page (curves.py): bounded, the whole run downsampled
+        "curves": hub.curves.as_dict(),
         # replay state by pool: admitted peers' never shares room with strangers' (A3)
         "replay_guards": {
             "admitted": {"entries": len(hub.replay), "max_entries": hub.replay.per_peer * hub.replay.max_peers},
@@ -83,11 +90,17 @@ def hub_status(hub: Hub, *, with_nodes: bool = True) -> dict[str, Any]:
     }
 
 
-def node_entry(hub: Hub, n: NodeInfo, now: float) -> dict[str, Any]:
-    fleet = hub.fleet
+def node_entry(hub: Hub, n: NodeInfo, now: float, latest: int) -> dict[str, Any]:
+    fleet, tr = hub.fleet, hub.trainer
+    rows = tr.trained_rows[n.peer_id]
     return {
         "peer_id": n.peer_id,
         "held_version": n.held_version,
+        # how far its weights are behind the newest version, and its accepted tokens/s lately
+        "versions_behind": None if latest < 0 or n.held_version < 0 else latest - n.held_version,
+        # mean staleness of its rows that were trained (learner version before the step - theirs)
+        "staleness_mean": round(tr.trained_staleness[n.peer_id] / rows, 3) if rows else None,
+        **hub.curves.node_rate(hub, n, now),
         "tasks_done": n.tasks_done,
         "rollouts": n.rollouts,
         "tokens": n.tokens,
@@ -113,6 +126,7 @@ async def write_status_in_chunks(hub: Hub, path: Path, extra: dict[str, Any]) ->
     """
     base = hub_status(hub, with_nodes=False) | extra
     now = time.time()
+    latest = hub.publisher.latest_version
     nodes, peers = list(hub.fleet.nodes.values()), hub.ledger.peers()
     longest = 0.0  # the longest json.dumps (the GIL held throughout), CPU seconds
 
@@ -126,7 +140,7 @@ async def write_status_in_chunks(hub: Hub, path: Path, extra: dict[str, Any]) ->
     def build_and_write() -> None:
         body = []
         for i in range(0, len(nodes), NODES_PER_CHUNK):
-            text = encode([node_entry(hub, n, now) for n in nodes[i:i + NODES_PER_CHUNK]])
+            text = encode([node_entry(hub, n, now, latest) for n in nodes[i:i + NODES_PER_CHUNK]])
             if len(text) > 2:
                 body.append(text[1:-1])
         rows = cast("list[AccountRow]", [r for p in peers if (r := hub.ledger.row(p, now)) is not None])

@@ -32,7 +32,7 @@ from echo2.models import lora
 from echo2.models import spec as modelspec
 
 from .behaviour import logprob_problem
-from .grpo import LOSS_TYPES, Normaliser, batch_advantages, grpo_loss
+from .grpo import LOG_RATIO_CLAMP, LOSS_TYPES, Normaliser, batch_advantages, grpo_loss
 from .rows import Group, Sample
 
 logger = logging.getLogger(__name__)
@@ -88,6 +88,19 @@ class StepStats:
     is_weight_mean: float = 1.0  # mean truncated importance weight (max_is_ratio > 0)
     mismatch_by_node: dict[str, float] = field(default_factory=dict)  # max per node id
     seconds: float = 0.0
+    # TRL's figures (trainmetrics.py names them). clip_low + clip_high = clip_frac.
+    clip_low: float = 0.0
+    clip_high: float = 0.0
+    entropy: float = 0.0  # mean entropy of the policy at each completion token of the step (before it)
+    # the learner's log-probs before the step against the nodes' (every sound row, stale ones
+    # included): exp(logp_learner - logp_node) per token, and |logp_learner - logp_node|
+    is_ratio_min: float = 1.0
+    is_ratio_mean: float = 1.0
+    is_ratio_max: float = 1.0
+    logp_diff_mean: float = 0.0
+    logp_diff_max: float = 0.0
+    input_tokens: int = 0  # prompt + completion tokens of the step's rows (TRL's num_tokens counts these)
+    staleness_max: int = 0
 
     def as_dict(self) -> dict[str, Any]:
         return dict(self.__dict__)
@@ -118,11 +131,42 @@ class PassResult:
     """What the passes over some micro-batches add to the step's figures (additive over ranks)."""
 
     acc: dict[str, float] = field(
-        default_factory=lambda: {"loss": 0.0, "pg": 0.0, "ratio": 0.0, "clip": 0.0, "klr": 0.0, "klb": 0.0, "isw": 0.0}
+        default_factory=lambda: {"loss": 0.0, "pg": 0.0, "ratio": 0.0, "clip": 0.0, "klr": 0.0, "klb": 0.0, "isw": 0.0,
+                                 "clip_low": 0.0, "clip_high": 0.0,
+                                 # sums and token counts of the first pass's figures over all rows
+                                 "ent": 0.0, "ent_tok": 0.0, "isr": 0.0, "lpd": 0.0, "samp_tok": 0.0}
     )
     ratio_max: float = 0.0
+    is_ratio_min: float = math.inf
+    is_ratio_max: float = 0.0
+    logp_diff_max: float = 0.0
     grad_norm: float = 0.0
     mismatch: list[tuple[int, float]] = field(default_factory=list)  # (row index, max |Δlogp|)
+
+
+@torch.no_grad()
+def _first_pass_figures(res: PassResult, logp_old: Tensor, lb: Tensor, mask: Tensor, sound: Tensor, entropy: Tensor | None) -> None:
+    """Add one micro-batch's monitoring figures to ``res`` (no effect on the loss): the policy's
+    entropy over its completion tokens, and TRL's sampling figures between the learner's
+    log-probs before the step (``logp_old``) and the node's (``lb``) over the tokens of sound
+    rows: the importance ratio ``exp(logp_old - lb)`` and ``|logp_old - lb|``. For a row made
+    with the current version they show the sampler's numerical mismatch; for a stale row, how
+    far the policy has moved since, which the clipped ratio corrects (BRIEF section 7)."""
+    if entropy is not None:
+        res.acc["ent"] += float((entropy * mask).sum())
+        res.acc["ent_tok"] += float(mask.sum())
+    m = mask * sound.unsqueeze(-1)
+    sel = m > 0
+    if not bool(sel.any()):
+        return
+    d = (logp_old - lb)[sel]
+    ratio = torch.exp(d.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
+    res.acc["isr"] += float(ratio.sum())
+    res.acc["lpd"] += float(d.abs().sum())
+    res.acc["samp_tok"] += float(sel.sum())
+    res.is_ratio_min = min(res.is_ratio_min, float(ratio.min()))
+    res.is_ratio_max = max(res.is_ratio_max, float(ratio.max()))
+    res.logp_diff_max = max(res.logp_diff_max, float(d.abs().max()))
 
 
 class Learner:
@@ -213,13 +257,15 @@ class Learner:
         model: torch.nn.Module,
         rows: Sequence[tuple[Sequence[int], Sequence[int]]],
         dtype: torch.dtype | None = None,
+        entropy_out: list[Tensor] | None = None,
     ) -> tuple[Tensor, Tensor]:
         """Teacher-forced log-probs of each row's completion: ``([B, Lc] logp, [B, Lc] mask)``,
         computed in ``dtype`` (the learner's compute dtype unless given) by
-        :func:`echo2.models.spec.teacher_forced_batch`, the one implementation."""
+        :func:`echo2.models.spec.teacher_forced_batch`, the one implementation (which also
+        appends the per-token entropy to ``entropy_out`` when given)."""
         return modelspec.teacher_forced_batch(
             model, [(list(p), list(c)) for p, c in rows], pad_id=self.pad_id, temperature=self.temperature,
-            dtype=dtype or self.dtype, device=self.device,
+            dtype=dtype or self.dtype, device=self.device, entropy_out=entropy_out,
         )
 
     @torch.no_grad()
@@ -361,14 +407,17 @@ class Learner:
                         (logp_pad * 0.0).sum().backward()
                     continue
                 mb_rows = [rows[i] for i in chunk]
+                ent: list[Tensor] | None = [] if it == 0 else None
                 with torch.enable_grad() if teaches else torch.no_grad():
-                    logp_new, mask = self._batch_logprobs(self.model, mb_rows)
-                if it == 0:
-                    old[ci] = logp_new.detach()
+                    logp_new, mask = self._batch_logprobs(self.model, mb_rows, entropy_out=ent)
                 lb = torch.zeros_like(logp_new)
                 for j, i in enumerate(chunk):
                     if behav[i]:
                         lb[j, : len(behav[i])] = torch.tensor(behav[i], dtype=lb.dtype)
+                if it == 0:
+                    old[ci] = logp_new.detach()
+                    sound = torch.tensor([plan.sound[i] for i in chunk], dtype=mask.dtype, device=self.device)
+                    _first_pass_figures(res, logp_new.detach(), lb, mask, sound, ent[0] if ent else None)
                 on = torch.tensor([active[i] for i in chunk], dtype=mask.dtype, device=self.device)
                 if it == 0 and self.ref_model is not None and teaches:
                     with torch.no_grad():
@@ -393,6 +442,8 @@ class Learner:
                 acc["klr"] += st.kl_ref * w
                 acc["klb"] += st.kl_behaviour * w
                 acc["isw"] += st.is_weight_mean * w
+                acc["clip_low"] += st.clip_low * w
+                acc["clip_high"] += st.clip_high * w
                 res.ratio_max = max(res.ratio_max, st.ratio_max if st.tokens else 0.0)
                 with torch.no_grad():
                     diff = ((logp_new.detach() - lb).abs() * mask).max(dim=1).values
@@ -445,6 +496,16 @@ class Learner:
             is_weight_mean=acc["isw"] if norm.tokens else 1.0,
             mismatch_by_node=by_node,
             seconds=seconds,
+            clip_low=acc["clip_low"],
+            clip_high=acc["clip_high"],
+            entropy=acc["ent"] / acc["ent_tok"] if acc["ent_tok"] else 0.0,
+            is_ratio_min=part.is_ratio_min if acc["samp_tok"] else 1.0,
+            is_ratio_mean=acc["isr"] / acc["samp_tok"] if acc["samp_tok"] else 1.0,
+            is_ratio_max=part.is_ratio_max if acc["samp_tok"] else 1.0,
+            logp_diff_mean=acc["lpd"] / acc["samp_tok"] if acc["samp_tok"] else 0.0,
+            logp_diff_max=part.logp_diff_max,
+            input_tokens=sum(len(p) + len(c) for p, c in plan.rows),
+            staleness_max=max(plan.v_before - v for v in versions),
         )
 
     def _clip_grads(self) -> float:

@@ -192,9 +192,14 @@ class Scored:
 
     rewards: list[float | None]
     reasons: list[str | None]
+    # per completion, each function's own value by name where it applied (for TRL's
+    # rewards/<name>/mean and /std); empty when the batch failed
+    parts: list[dict[str, float]] = field(default_factory=list)
 
 
-def combine(outputs: Sequence[list[float | None] | FuncFailure], weights: Sequence[float], n: int) -> Scored:
+def combine(
+    outputs: Sequence[list[float | None] | FuncFailure], weights: Sequence[float], n: int, names: Sequence[str] = ()
+) -> Scored:
     """TRL's weighted ``nansum`` over the functions that apply. A function that failed on the
     batch excludes every completion; a NaN or inf excludes its completion (TRL would silently
     read NaN as "does not apply"); a completion no function applies to is excluded too."""
@@ -219,7 +224,13 @@ def combine(outputs: Sequence[list[float | None] | FuncFailure], weights: Sequen
                 rewards[j] = total
             else:
                 reasons[j] = "all_none"
-    return Scored(rewards, reasons)
+    parts: list[dict[str, float]] = [{} for _ in range(n)]
+    for name, out in zip(names, outputs, strict=False):
+        assert not isinstance(out, FuncFailure)
+        for j, v in enumerate(out):
+            if v is not None and rewards[j] is not None:
+                parts[j][name] = v
+    return Scored(rewards, reasons, parts)
 
 
 def batch_of(groups: Sequence[Group], items: Sequence[Any], texts: Sequence[Sequence[str]]) -> Batch:
@@ -247,6 +258,8 @@ def apply_scores(groups: Sequence[Group], scored: Scored) -> tuple[list[Group], 
             j += 1
             if r is not None:
                 s.reward = r
+                if scored.parts:
+                    s.reward_parts = dict(scored.parts[j - 1])
                 kept.append(s)
         if len(kept) >= 2:
             out.append(Group(prompt_ids=g.prompt_ids, samples=kept))
@@ -307,7 +320,7 @@ class RewardRunner:
                 self._failed(name, out.reason, str(out))
             elif any(v is not None and not math.isfinite(v) for v in out):
                 self._failed(name, "nonfinite", "returned NaN or inf")
-        res = combine(outputs, self.weights, n)
+        res = combine(outputs, self.weights, n, self.names)
         for reason in res.reasons:
             if reason is not None:
                 self.excluded[reason] += 1

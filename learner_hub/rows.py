@@ -6,7 +6,7 @@ their encoding until a checkpoint covers the step that trained them (so a restar
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from echo2.protocol import canonical
 from echo2.protocol.errors import MeaningError
@@ -22,6 +22,9 @@ class Sample:
     version: int  # policy version the node sampled with
     node_id: str = ""  # who produced it (for per-node verification figures)
     finish_reason: str = "stop"
+    # each reward function's own value (before weighting) by function name; a function that
+    # returned None (does not apply) is absent: TRL's rewards/<name>/mean and /std
+    reward_parts: dict[str, float] = field(default_factory=dict)
 
 
 @dataclass
@@ -46,6 +49,7 @@ def encode_groups(groups: list[Group]) -> bytes:
                         "version": int(s.version),
                         "node_id": s.node_id,
                         "finish_reason": s.finish_reason,
+                        "reward_parts": {k: float(v) for k, v in s.reward_parts.items()},
                     }
                     for s in g.samples
                 ],

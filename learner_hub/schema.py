@@ -162,6 +162,15 @@ MIGRATIONS: list[str] = [
         at REAL NOT NULL
     );
     """,
+    # every learner step's figures under TRL's names and echo2/ (issue 21; trainmetrics.py), as JSON:
+    # `echo2 hub report` draws the run's curves from them
+    """
+    CREATE TABLE train_metrics (
+        step INTEGER PRIMARY KEY,
+        wall_s REAL NOT NULL,
+        metrics TEXT NOT NULL
+    );
+    """,
 ]
 
 

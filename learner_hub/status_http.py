@@ -9,8 +9,9 @@ request must name this server in its Host header (a localhost name, the bound ad
 operator-configured name; any port): a page whose DNS name was re-pointed at 127.0.0.1 (DNS
 rebinding) gets 421, a request without Host 400.
 
-Routes: ``/status.json`` (``status_provider()``), ``/`` (HTML rendered from the same dict, no
-JavaScript), ``/metrics`` (Prometheus text format 0.0.4 from ``metrics_provider()``).
+Routes: ``/status.json`` (``status_provider()``), ``/`` (HTML rendered from the same dict: tables,
+and charts drawn by inlined JavaScript), ``/tables.html`` (its tables alone), ``/metrics``
+(Prometheus text format 0.0.4 from ``metrics_provider()``).
 """
 
 from __future__ import annotations
@@ -231,52 +232,24 @@ def _table(rows: Sequence[Mapping[str, Any]], limit: int = 200) -> str:
     return f"<table><tr>{head}</tr>{body}</table>"
 
 
-def reward_svg(points: Sequence[tuple[float, float]], width: int = 480, height: int = 160) -> str:
-    """An inline SVG polyline of (step, reward) points, scaled to fit."""
-    pts = [(x, y) for x, y in points if math.isfinite(x) and math.isfinite(y)]
-    if not pts:
-        return "<p><i>no learner steps yet</i></p>"
-    xs, ys = [p[0] for p in pts], [p[1] for p in pts]
-    x0, x1, y0, y1 = min(xs), max(xs), min(ys), max(ys)
-    pad = 8
-    sx = (width - 2 * pad) / (x1 - x0) if x1 > x0 else 0.0
-    sy = (height - 2 * pad) / (y1 - y0) if y1 > y0 else 0.0
-    coords = " ".join(
-        f"{pad + (x - x0) * sx:.1f},{height - pad - ((y - y0) * sy if sy else (height - 2 * pad) / 2):.1f}"
-        for x, y in pts
-    )
-    return (
-        f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" '
-        f'viewBox="0 0 {width} {height}" role="img" aria-label="reward curve">'
-        f'<rect width="{width}" height="{height}" fill="#fafafa" stroke="#ccc"/>'
-        f'<polyline fill="none" stroke="#2a6" stroke-width="2" points="{coords}"/>'
-        f'<text x="{pad}" y="14" font-size="11">max {y1:.3g}</text>'
-        f'<text x="{pad}" y="{height - 2}" font-size="11">min {y0:.3g} · steps {x0:g}–{x1:g}</text>'
-        "</svg>"
-    )
-
-
-def render_html(status: Mapping[str, Any]) -> str:
-    """A self-contained page (auto-refresh every 5 s, no JavaScript) from the status dict."""
-    e = html.escape
-    hist = status.get("history") if isinstance(status.get("history"), list) else []
-    points = []
-    for h in hist or []:
-        if isinstance(h, Mapping):
-            x, y = _num(h.get("step")), _num(h.get("reward"))
-            if x is not None and y is not None:
-                points.append((x, y))
+def _summary(status: Mapping[str, Any]) -> str:
     util = _num(status.get("learner_busy_fraction"))
+    pred = _num(status.get("predicted_busy_fraction"))
     led = status.get("ledger") if isinstance(status.get("ledger"), Mapping) else {}
     assert isinstance(led, Mapping)
     cost = _num(led.get("cost_usd"))
     per_mtok = _num(led.get("usd_per_million_tokens"))
+    ev = status.get("eval")
+    latest = ev.get("latest") if isinstance(ev, Mapping) else None
+    acc = _num(latest.get("accuracy")) if isinstance(latest, Mapping) else None
     summary = [
         ("hub", status.get("peer_id", "?")),
         ("learner step", f"{status.get('step', '?')} / {status.get('steps', '?')}"),
         ("latest version", status.get("latest_version", "?")),
         ("staleness S", status.get("staleness", "?")),
-        ("learner utilization", "-" if util is None else f"{100 * util:.1f}%"),
+        ("learner utilization (model)", ("-" if util is None else f"{100 * util:.1f}%")
+         + ("" if pred is None else f" ({100 * pred:.1f}%)")),
+        ("eval accuracy (step)", "-" if acc is None or not isinstance(latest, Mapping) else f"{acc:.3f} ({latest.get('step')})"),
         ("results accepted", status.get("results_accepted", "?")),
         ("rollouts accepted", status.get("rollouts_accepted", "?")),
         ("stale dropped", status.get("stale_dropped", "?")),
@@ -284,31 +257,59 @@ def render_html(status: Mapping[str, Any]) -> str:
         ("$ per 1M accepted tokens", "-" if per_mtok is None else f"${per_mtok:.2f}"),
         ("wall time", f"{status.get('wall_s', '?')} s"),
     ]
-    summary_html = "".join(f"<tr><th>{e(k)}</th><td>{_cell(v)}</td></tr>" for k, v in summary)
+    return "<table>" + "".join(f"<tr><th>{html.escape(k)}</th><td>{_cell(v)}</td></tr>" for k, v in summary) + "</table>"
+
+
+#: the per-node table's columns, in order (status.json has more)
+NODE_COLUMNS = ("peer_id", "state", "versions_behind", "staleness_mean", "tokens_per_s_1m", "tokens_per_s_5m",
+                "tokens", "refused", "reputation", "price_usd_per_hour", "cost_usd")
+
+
+def render_tables(status: Mapping[str, Any]) -> str:
+    """The page's tables in ``<div id="tables">`` (served alone at /tables.html for the live page's
+    refresh): summary, fleet with each node's recent throughput, evaluations, versions, refusals."""
     refused = status.get("refused_by_reason")
     refused_rows = [{"reason": k, "count": v} for k, v in sorted(refused.items())] if isinstance(refused, Mapping) else []
     raw_nodes = status.get("nodes")
     nodes: list[Any] = raw_nodes if isinstance(raw_nodes, list) else []
+    node_rows = [{c: n.get(c) for c in NODE_COLUMNS if c in n} for n in nodes if isinstance(n, Mapping)]
     bc = status.get("broadcast")
     versions = bc.get("recent", []) if isinstance(bc, Mapping) else status.get("versions", [])
     if not isinstance(versions, list):
         versions = []
+    ev = status.get("eval")
+    evals = ev.get("history", []) if isinstance(ev, Mapping) else []
+    eval_rows = [{k: e.get(k) for k in ("step", "wall_s", "accuracy", "mean_reward", "n", "excluded")}
+                 for e in (evals if isinstance(evals, list) else [])[-20:] if isinstance(e, Mapping)]
+    return f"""<div id="tables">
+{_summary(status)}
+<h2>Fleet ({len(nodes)} nodes)</h2>
+<p>tokens/s over the last 1 and 5 minutes; versions behind: the newest version minus the one it holds;
+staleness: mean over its trained rows of the learner's version before the step minus the row's</p>
+{_table(node_rows)}
+<h2>Evaluations (latest 20)</h2>
+{_table(eval_rows)}
+<h2>Policy versions (broadcast)</h2>
+{_table(list(versions)[-20:])}
+<h2>Refused</h2>
+{_table(refused_rows)}
+</div>"""
+
+
+def render_html(status: Mapping[str, Any]) -> str:
+    """The status page: charts drawn in the browser from status.json (charts.py, uPlot inlined)
+    over server-rendered tables. Without JavaScript it is the tables, refreshed every 5 s."""
+    from .charts import charts_block
+
     return f"""<!doctype html>
-<html lang="en"><head><meta charset="utf-8"><meta http-equiv="refresh" content="5">
+<html lang="en"><head><meta charset="utf-8"><noscript><meta http-equiv="refresh" content="5"></noscript>
 <title>echo2 hub</title>
 <style>body{{font-family:sans-serif;margin:1.5em;color:#222}}table{{border-collapse:collapse;margin-bottom:1em}}
 td,th{{border:1px solid #ccc;padding:2px 8px;text-align:left;font-size:13px}}th{{background:#f0f0f0}}</style>
 </head><body>
 <h1>echo2 hub</h1>
-<table>{summary_html}</table>
-<h2>Reward</h2>
-{reward_svg(points)}
-<h2>Fleet ({len(nodes)} nodes)</h2>
-{_table(nodes)}
-<h2>Policy versions (broadcast)</h2>
-{_table(list(versions)[-20:])}
-<h2>Refused</h2>
-{_table(refused_rows)}
+{charts_block(status.get("curves"), live=True)}
+{render_tables(status)}
 <p><a href="/status.json">status.json</a> · <a href="/metrics">metrics</a></p>
 </body></html>
 """
@@ -509,6 +510,8 @@ class StatusServer:
                 return Response(200, render_metrics(self.metrics_provider()).encode(), _CONTENT_TYPE_METRICS)
             if path in ("/", "/index.html"):
                 return Response(200, render_html(self.status_provider()).encode(), "text/html; charset=utf-8")
+            if path == "/tables.html":
+                return Response(200, render_tables(self.status_provider()).encode(), "text/html; charset=utf-8")
         except Exception:
             self.errors += 1
             log.exception("status HTTP: provider failed for %s", path)

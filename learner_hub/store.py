@@ -512,6 +512,20 @@ class HubStore(JoinTokens, CheckpointFiles):
         keys = ("step", "wall_s", "mean_reward", "accuracy", "n", "excluded")
         return [dict(zip(keys, r, strict=True)) for r in rows]
 
+    # --- per-step figures (trainmetrics.py) -------------------------------------------------------------
+    def record_train_metrics(self, step: int, wall_s: float, metrics: dict[str, float]) -> None:
+        """One learner step's figures; a step trained again after a restart replaces its row."""
+        with self._tx() as db:
+            db.execute("INSERT OR REPLACE INTO train_metrics (step, wall_s, metrics) VALUES (?, ?, ?)",
+                       (int(step), float(wall_s), json.dumps(metrics)))
+
+    def train_metrics(self, last: int | None = None) -> list[dict[str, Any]]:
+        """``{"step", "wall_s", **metrics}`` per step, in step order (only the ``last`` N when given)."""
+        sql = "SELECT step, wall_s, metrics FROM train_metrics ORDER BY step"
+        rows = self._read(sql) if last is None else self._read(
+            f"SELECT * FROM ({sql} DESC LIMIT ?) ORDER BY step", (int(last),))
+        return [{"step": int(s), "wall_s": float(w), **json.loads(m)} for s, w, m in rows]
+
     # --- meta --------------------------------------------------------------------------------------
     def set_meta(self, key: str, value: Any) -> None:
         with self._tx() as db:

@@ -8,8 +8,9 @@ from __future__ import annotations
 
 import copy
 import logging
+import math
 import time
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -26,6 +27,8 @@ from .publisher import PolicyPublisher
 from .rows import Group, decode_groups
 from .store import HubStore
 from .storeworker import StoreWorker
+from .tracking import Tracker
+from .trainmetrics import broadcast_metrics, eval_metrics, step_metrics
 from .verify import Verifier, published_weights
 
 if TYPE_CHECKING:
@@ -35,6 +38,8 @@ log = logging.getLogger(__name__)
 
 Item = tuple[str, Group]  # (task id, group) as buffered
 StoreJob = Callable[[HubStore], None]
+#: steps whose figures status.json carries (``train_metrics``; ~2 KB each): the store keeps them all
+TRAIN_METRICS_KEPT = 100
 
 
 def build_learner(cfg: HubConfig) -> tuple[Learner | ShardedLearner, Any, str, dict[str, bytes]]:
@@ -158,11 +163,37 @@ class Trainer:
         #: every row is checked against the published weights it was made with before a step
         self.verifier = Verifier(learner, published_weights(publisher), cfg.logprob_tolerance, fraction=cfg.verify_fraction)
         self.trained_rows: Counter[str] = Counter()  # node -> rows that entered a GRPO step
+        self.trained_staleness: Counter[str] = Counter()  # node -> sum of those rows' staleness (status page)
         self._buffer_changed = trio.Event()
         self._trained: set[str] = set()  # tasks with a group trained and groups still buffered
-        publisher.on_closed = lambda h: store.submit(
-            HubStore.set_version_times, h["version"], h["first_s"], h["median_s"], h["last_s"], h["nodes"]
-        )
+        # each step's figures (trainmetrics.py): the last ones for status.json, all to the store and trackers
+        self.train_metrics: deque[dict[str, Any]] = deque(maxlen=TRAIN_METRICS_KEPT)
+        self.tracker = Tracker([], run_name="", config={}, config_text="")  # the hub sets its own (report_to)
+        self.hub_figures: Callable[[], dict[str, float]] | None = None  # the hub's echo2/ figures at a step
+        self.num_tokens = 0  # prompt + completion tokens trained (TRL's num_tokens)
+        publisher.on_closed = self._version_closed
+
+    def _version_closed(self, h: dict[str, Any]) -> None:
+        self.store.submit(HubStore.set_version_times, h["version"], h["first_s"], h["median_s"], h["last_s"], h["nodes"])
+        self.tracker.log(int(h["version"]), broadcast_metrics(h))
+
+    def record_eval(self, rec: dict[str, Any]) -> None:
+        """A finished evaluation's figures to the trackers (TRL's eval_* names), at its step."""
+        self.tracker.log(int(rec["step"]), eval_metrics(rec))
+
+    def _record_metrics(self, groups: list[Group], stats: Any) -> None:
+        """The step's figures: status.json's last ones, the store's table and the trackers (never
+        blocking: the tracker has its own thread). A non-finite value (a diverged loss) is left
+        out: JSON has no NaN and the status page parses status.json."""
+        lr = float(getattr(self.learner, "lr", self.cfg.lr))
+        m = step_metrics(groups, stats, learning_rate=lr, num_tokens=self.num_tokens, kl=self.cfg.kl_coef > 0)
+        if self.hub_figures is not None:
+            m |= self.hub_figures()
+        m = {k: v for k, v in m.items() if math.isfinite(v)}
+        step, wall = self.learner.version, float(self.history[-1]["t"])
+        self.train_metrics.append({"step": step, "wall_s": wall, **m})
+        self.store.submit(HubStore.record_train_metrics, step, wall, m)
+        self.tracker.log(step, m)
 
     # --- rows in -----------------------------------------------------------------------------------
     def add(self, task_id: str, groups: list[Group], version: int) -> int:
@@ -224,6 +255,8 @@ class Trainer:
             self.learner.load_checkpoint_state(state)
         self.prompt_seq = int(state.get("prompt_seq", 0))
         self.history[:] = list(state.get("history", []))
+        self.num_tokens = int(self.history[-1].get("num_tokens", 0)) if self.history else 0
+        self.train_metrics.extend(r for r in self.store.train_metrics(TRAIN_METRICS_KEPT) if r["step"] <= step)
         self.busy_s = float(state.get("busy_s", 0.0))
         restored = 0
         for pr in self.store.pending_results(after_step=step):
@@ -322,9 +355,11 @@ class Trainer:
             for g in groups:
                 for smp in g.samples:
                     self.trained_rows[smp.node_id] += 1
+                    self.trained_staleness[smp.node_id] += self.learner.version - 1 - smp.version
             t1 = time.time()
             self.busy_s += t1 - t0
             self.t_last_step_end = t1
+            self.num_tokens += stats.input_tokens
             self.history.append(
                 {
                     "step": self.learner.version,
@@ -343,8 +378,10 @@ class Trainer:
                     "train_s": round(t1 - t0, 4),
                     "busy_fraction": self.busy_fraction(),
                     "predicted_busy_fraction": predicted_busy(),
+                    "num_tokens": self.num_tokens,
                 }
             )
+            self._record_metrics(groups, stats)
             log.info(
                 "step %d reward %.3f loss %.4f staleness %.2f busy %.2f",
                 self.learner.version, stats.reward_mean, stats.loss, stats.staleness_mean, self.busy_fraction(),

@@ -90,8 +90,12 @@ def test_real_server_routes_and_garbage() -> None:
             code, ctype, data = await trio.to_thread.run_sync(fetch, base + "/")
             assert code == 200 and ctype.startswith("text/html")
             page = data.decode()
-            assert "<polyline" in page and "80.0%" in page and "$0.2500" in page and "12D3KooWb" in page
-            assert "<script>" not in page and "&lt;script&gt;" in page  # node-supplied text is escaped
+            assert "80.0%" in page and "$0.2500" in page and "12D3KooWb" in page
+            # the charts' library is inlined (the page works offline), its tables also come alone
+            assert "uPlot" in page and "<script src" not in page and 'id="curves-data"' in page
+            code, ctype, data = await trio.to_thread.run_sync(fetch, base + "/tables.html")
+            assert code == 200 and data.decode().startswith('<div id="tables">') and "12D3KooWb" in data.decode()
+            assert "12D3KooWa<script>" not in page and "12D3KooWa&lt;script&gt;" in page  # node-supplied text is escaped
             code, ctype, data = await trio.to_thread.run_sync(fetch, base + "/metrics?x=1")
             assert code == 200 and "version=0.0.4" in ctype
             text = data.decode()
@@ -142,7 +146,7 @@ def test_provider_failure_is_500_and_server_survives() -> None:
             resp = await raw_request(port, b"GET /status.json HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
             assert status_code(resp) == 200 and json.loads(body(resp)) == {"step": 1}
             resp = await raw_request(port, b"GET / HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")  # an almost empty status still renders
-            assert status_code(resp) == 200 and b"no learner steps yet" in body(resp)
+            assert status_code(resp) == 200 and b"<i>none</i>" in body(resp) and b"echo2Live(" in body(resp)
             nursery.cancel_scope.cancel()
 
     trio.run(main)
@@ -258,3 +262,14 @@ def test_a13_host_name_parsing() -> None:
         assert host_name(bad) is None, bad
     assert StatusServer(dict, list, host="0.0.0.0").allowed_hosts == {"localhost", "127.0.0.1", "::1"}
     assert "10.1.2.3" in StatusServer(dict, list, host="10.1.2.3").allowed_hosts
+
+
+def test_page_embeds_curves_as_inert_json() -> None:
+    """The curves go into the page as JSON no string can break out of (``</script>``), without
+    NaN or infinity (strict JSON for the browser's parser)."""
+    evil = "</script><script>alert(1)</script>"
+    page = render_html({"curves": {"train": {"step": [1.0, 2.0], "series": {evil: [math.inf, 0.5]}}}})
+    assert evil not in page
+    start = page.index('<script type="application/json" id="curves-data">') + len('<script type="application/json" id="curves-data">')
+    data = json.loads(page[start : page.index("</script>", start)])
+    assert data == {"train": {"step": [1.0, 2.0], "series": {evil: [None, 0.5]}}}

@@ -289,6 +289,7 @@ def teacher_forced_batch(
     temperature: float,
     dtype: torch.dtype | None = None,
     device: torch.device | None = None,
+    entropy_out: list[torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """THE teacher-forced log-probs of each row's completion: ``([B, Lc] logp, [B, Lc] mask)``.
 
@@ -299,6 +300,11 @@ def teacher_forced_batch(
     autocast when ``dtype`` is a half type. Only the completion positions' logits are gathered,
     and the vocabulary-wide log-sum-exp runs over at most ``LOGPROB_CHUNK_POSITIONS`` of them at
     a time. Gradients flow unless the caller disables them.
+
+    With ``entropy_out`` (a list), the entropy of each completion position's distribution,
+    ``-sum(p log p)`` of ``softmax(logits / T)`` (``[B, Lc]``, float32, detached, 0 on padding:
+    TRL's ``entropy``) is appended to it, from the same chunks (one more exp-and-sum over each;
+    no second forward pass).
     """
     if device is None:
         device = next(model.parameters()).device
@@ -329,13 +335,19 @@ def teacher_forced_batch(
     with _autocast(device, dtype):
         logits = model(input_ids=ids, attention_mask=attn, position_ids=pos, use_cache=False).logits
     step = max(1, LOGPROB_CHUNK_POSITIONS // max(b, 1))
-    parts = []
+    parts, ents = [], []
     for j0 in range(0, pred_pos.shape[1], step):
         pp = pred_pos[:, j0 : j0 + step]
         h = logits.gather(1, pp.unsqueeze(-1).expand(-1, -1, logits.shape[-1])).float() / t
         tok = h.gather(-1, targets[:, j0 : j0 + step].unsqueeze(-1)).squeeze(-1)
-        parts.append(tok - torch.logsumexp(h, dim=-1))
+        lse = torch.logsumexp(h, dim=-1)
+        parts.append(tok - lse)
+        if entropy_out is not None:
+            with torch.no_grad():  # H = lse - sum(p * h), p = softmax(h)
+                ents.append(lse.detach() - (torch.softmax(h.detach(), dim=-1) * h.detach()).sum(-1))
     logp = torch.cat(parts, dim=1) * cmask
+    if entropy_out is not None:
+        entropy_out.append((torch.cat(ents, dim=1) * cmask)[:, :lc])
     return logp[:, :lc], cmask[:, :lc]
 
 

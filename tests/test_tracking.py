@@ -1,0 +1,156 @@
+"""Experiment tracking (issue 21): report_to writes every step's figures under TRL's names, read
+back with TensorBoard's own reader; a tracker that fails is dropped, logged once, and the hub
+trains on."""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from pathlib import Path
+
+import pytest
+import trio
+from hubkit import small_hub_cfg
+
+from echo2.learner_hub.config import HubConfig
+from echo2.learner_hub.store import HubStore
+from echo2.learner_hub.trainmetrics import TRL_STEP_NAMES
+
+pytest.importorskip("tensorboard")
+
+
+def _scalars(logdir: Path) -> dict[str, list[tuple[int, float]]]:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(logdir), size_guidance={"scalars": 0})  # 0: keep every event
+    acc.Reload()
+    return {tag: [(e.step, e.value) for e in acc.Scalars(tag)] for tag in acc.Tags()["scalars"]}
+
+
+@pytest.mark.slow  # ~100 s here, nearly all of it three processes starting on 2 shared cores
+@pytest.mark.e2e
+@pytest.mark.timeout(300)
+def test_swarm_writes_trl_metrics_to_tensorboard_at_every_step(tmp_path: Path) -> None:
+    """A hub and two nodes (real processes): every TRL-named figure that applies (kl with a KL
+    penalty, low/high clip ratios with asymmetric clipping, one reward function, evaluations)
+    is in the event files at every step, as transformers' callbacks name them."""
+    from echo2.bench.swarm import LocalSwarm
+
+    steps = 5
+    cfg = HubConfig(task="copy", steps=steps, staleness=1, seed=0, exit_when_done=True, prompts_per_step=4,
+                    group_size=4, kl_coef=0.01, epsilon_high=0.28, eval_every=steps, eval_max_prompts=4,
+                    report_to=["tensorboard"], run_name="trl-names")
+    t0 = time.monotonic()
+    with LocalSwarm(tmp_path, cfg, n_nodes=2) as swarm:
+        swarm.start()
+        st = swarm.wait(240)
+        assert swarm.hub is not None
+        swarm.hub.wait(timeout=60)  # run_hub closes the trackers on its way out
+    wall = time.monotonic() - t0
+    logs = "\n".join(p.read_text()[-3000:] for p in tmp_path.glob("*/*.log"))
+    assert st is not None and st.get("final"), f"swarm did not finish:\n{logs}"
+    assert st["tracking"]["disabled"] == {} and st["tracking"]["report_to"] == ["tensorboard"], st["tracking"]
+
+    logdir = tmp_path / "hub" / "tensorboard" / "trl-names"
+    scalars = _scalars(logdir)
+    [func] = st["rewards"]["functions"]
+    names = [*TRL_STEP_NAMES, "kl", f"rewards/{func}/mean", f"rewards/{func}/std"]
+    every = list(range(1, steps + 1))
+    missing = [n for n in names if [s for s, _ in scalars.get(f"train/{n}", [])] != every]
+    assert not missing, (missing, sorted(scalars))
+    for n in ("echo2/staleness_mean", "echo2/staleness_max", "echo2/learner_busy_fraction", "echo2/predicted_busy_fraction",
+              "echo2/active_nodes", "echo2/accepted_tokens_per_s", "echo2/stale_dropped", "echo2/loop_lag_p99_ms"):
+        assert [s for s, _ in scalars[n]] == every, n
+    # the evaluations (step 0 and the last) under TRL's eval_* names
+    assert [s for s, _ in scalars["eval/reward"]] == [0, steps] and "eval/accuracy" in scalars
+    # the values are the training room's: the event file and status.json say the same
+    last = st["train_metrics"][-1]
+    assert last["step"] == steps
+    for n in ("reward", "loss", "entropy", "kl", "num_tokens", "sampling/importance_sampling_ratio/mean"):
+        assert math.isclose(scalars[f"train/{n}"][-1][1], last[n], rel_tol=1e-5, abs_tol=1e-6), n
+    assert last["entropy"] > 0 and last["completions/max_length"] <= cfg.max_new_tokens
+    # TRL's num_tokens is a running total of prompt + completion tokens
+    toks = [v for _, v in scalars["train/num_tokens"]]
+    assert all(b > a for a, b in zip(toks, toks[1:], strict=False))
+    # the whole run's figures are in the store too (echo2 hub report reads them)
+    with HubStore.in_dir(tmp_path / "hub") as store:
+        rows = store.train_metrics()
+    assert [r["step"] for r in rows] == every and rows[-1]["reward"] == last["reward"]
+    print(f"swarm of {steps} steps with report_to=tensorboard: {wall:.1f} s, {len(scalars)} scalar tags")
+
+
+def test_a_tracker_whose_writer_raises_is_dropped_once_and_training_goes_on(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A real hub trains its steps in-process (its node's results made by the real engine) while
+    TensorBoard's writer raises from the second step on: one warning names the tracker and the
+    reason, the status says so, the steps before it are on disk, and every step is trained."""
+    from test_hub_results import admit
+    from torch.utils.tensorboard import SummaryWriter
+
+    from echo2.learner_hub.hub import Hub
+    from echo2.models.engine import TransformersEngine
+    from echo2.protocol import envelope
+    from echo2.protocol.identity import Identity
+    from echo2.protocol.messages import Result, Task, task_hash
+
+    steps = 4
+    hub = Hub(small_hub_cfg(tmp_path, steps=steps, report_to=["tensorboard"], run_name="failing"))
+    node = Identity.generate()
+    assert admit(hub, node).admitted
+    real_add = SummaryWriter.add_scalar
+
+    def add_scalar(self: SummaryWriter, tag: str, value: float, step: int | None = None, *a: object, **kw: object) -> None:
+        if step is not None and step >= 2:
+            raise OSError("No space left on device")
+        real_add(self, tag, value, step, *a, **kw)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(SummaryWriter, "add_scalar", add_scalar)
+
+    engines: dict[int, TransformersEngine] = {}
+
+    def answer(task: Task, version: int) -> Result:
+        if version not in engines:  # the node loads each version once
+            engines[version] = eng = TransformersEngine(device="cpu")
+            eng.load_version(version, hub.model_config, hub.artifacts, hub.learner.state_dict_for_publish())
+        comps = engines[version].generate(task.prompts, task.group_size, task.max_new_tokens, task.temperature,
+                                          task.top_p, task.seed)
+        return Result(task_id=task.task_id, task_hash=task_hash(task), node_id=node.peer_id, version=version,
+                      completions=comps, started_at=time.time(), gen_seconds=0.1,
+                      tokens=sum(len(c.token_ids) for c in comps))
+
+    async def node_loop() -> None:
+        """The node: takes the hub's tasks one at a time and answers them with the version the
+        learner is at (read between steps only, as a node holds a published version)."""
+        info = hub.nodes[node.peer_id]
+        while not hub.done.is_set():
+            await trio.sleep(0.01)
+            if hub.trainer.training:
+                continue
+            info.held_version = hub.learner.version
+            hub._pump()
+            if info.mailbox:
+                task = envelope.open_envelope(info.mailbox.popleft(), Task, replay=None).message
+                result = answer(task, hub.learner.version)
+                await hub.on_result(node.peer_id, envelope.seal(node, result))
+
+    async def run() -> None:
+        with trio.fail_after(120):
+            await hub.publish()  # version 0, as serve() does before the learner starts
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(hub.learner_loop)
+                nursery.start_soon(node_loop)
+
+    with caplog.at_level(logging.WARNING, logger="echo2.learner_hub.tracking"):
+        trio.run(run)
+        hub.trainer.tracker.close()
+    hub.store.close()
+    assert hub.learner.version == steps  # every step trained
+    warnings = [r.getMessage() for r in caplog.records if "tracking" in r.name]
+    assert len(warnings) == 1 and "tensorboard disabled" in warnings[0] and "No space left on device" in warnings[0], warnings
+    rep = hub.status()["tracking"]
+    assert "No space left on device" in rep["disabled"]["tensorboard"] and rep["active"] == []
+    assert [m["step"] for m in hub.status()["train_metrics"]] == list(range(1, steps + 1))
+    scalars = _scalars(tmp_path / "tensorboard" / "failing")
+    assert [s for s, _ in scalars["train/reward"]] == [1]  # written before the writer failed
