@@ -242,3 +242,55 @@ def test_step_metrics_by_trl_definitions_and_reward_parts_survive_storage() -> N
                        "rewards_by_func": {"acc": {"mean": 0.25, "std": None}}})
     assert ev == {"eval_reward": 0.5, "eval_reward_std": 0.1, "eval_accuracy": 0.25, "eval_rewards/acc/mean": 0.25,
                   "eval_num_completions": 8.0}
+
+
+def test_a_tracker_that_cannot_import_is_dropped_and_the_others_write(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    import sys
+
+    from echo2.learner_hub.tracking import Tracker
+
+    monkeypatch.setitem(sys.modules, "wandb", None)  # `import wandb` raises ImportError, as when not installed
+    with caplog.at_level(logging.WARNING, logger="echo2.learner_hub.tracking"):
+        tr = Tracker.for_hub(["wandb", "tensorboard"], tmp_path, "run", {"lr": 0.1}, "[hub]\nlr = 0.1\n")
+        for step in (1, 2, 3):
+            tr.log(step, {"reward": step / 10, "echo2/active_nodes": 2.0})
+        tr.log(0, {"eval_reward": 0.5})
+        assert tr.flush(60)
+        tr.close()
+    [warning] = [r.getMessage() for r in caplog.records]
+    assert "wandb disabled" in warning and "pip install 'echo2[wandb]'" in warning
+    assert tr.report()["active"] == ["tensorboard"] and tr.report()["written"] == 4
+    scalars = _scalars(tmp_path / "tensorboard" / "run")
+    assert [s for s, _ in scalars["train/reward"]] == [1, 2, 3] and scalars["eval/reward"] == [(0, 0.5)]
+    assert [s for s, _ in scalars["echo2/active_nodes"]] == [1, 2, 3]
+
+
+def test_wandb_and_trackio_write_offline_under_the_hub_directory(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Not in the test extra (large installs): skipped unless both are installed."""
+    import importlib.util
+    import sqlite3
+    import sys
+
+    pytest.importorskip("wandb")
+    if importlib.util.find_spec("trackio") is None:  # not imported here: it reads TRACKIO_DIR on import
+        pytest.skip("trackio is not installed")
+    if "trackio" in sys.modules:
+        pytest.skip("trackio was imported already: its TRACKIO_DIR is fixed for this process")
+    from echo2.learner_hub.tracking import Tracker
+
+    monkeypatch.delenv("WANDB_MODE", raising=False)
+    monkeypatch.delenv("TRACKIO_DIR", raising=False)
+    tr = Tracker.for_hub(["wandb", "trackio"], tmp_path, "run", {"lr": 0.1}, "[hub]\nlr = 0.1\n")
+    for step in (1, 2):
+        tr.log(step, {"reward": step / 10})
+    tr.log(0, {"eval_reward": 0.5})
+    assert tr.flush(120)
+    tr.close(120)
+    assert tr.report()["disabled"] == {} and tr.report()["written"] == 3
+    [run] = list((tmp_path / "wandb").glob("offline-run-*/run-*.wandb"))  # offline: nothing left the machine
+    assert run.stat().st_size > 0
+    db = sqlite3.connect(tmp_path / "trackio" / "echo2.db")
+    rows = db.execute("SELECT step, metrics FROM metrics ORDER BY id").fetchall()
+    assert [s for s, _ in rows] == [1, 2, 0] and b'"train/reward":0.2' in rows[1][1] and b'"eval/reward":0.5' in rows[2][1]
