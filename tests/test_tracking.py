@@ -64,6 +64,9 @@ def test_swarm_writes_trl_metrics_to_tensorboard_at_every_step(tmp_path: Path) -
     for n in ("echo2/staleness_mean", "echo2/staleness_max", "echo2/learner_busy_fraction", "echo2/predicted_busy_fraction",
               "echo2/active_nodes", "echo2/accepted_tokens_per_s", "echo2/stale_dropped", "echo2/loop_lag_p99_ms"):
         assert [s for s, _ in scalars[n]] == every, n
+    # each version's broadcast (its time to the last node that holds it), logged at its own step
+    assert {s for s, _ in scalars["echo2/broadcast_last_node_s"]} <= set(range(steps + 1)) and all(
+        v >= 0 for _, v in scalars["echo2/broadcast_last_node_s"])
     # the evaluations (step 0 and the last) under TRL's eval_* names
     assert [s for s, _ in scalars["eval/reward"]] == [0, steps] and "eval/accuracy" in scalars
     # the values are the training room's: the event file and status.json say the same
