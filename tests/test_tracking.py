@@ -159,6 +159,11 @@ def test_a_tracker_whose_writer_raises_is_dropped_once_and_training_goes_on(
     assert [m["step"] for m in hub.status()["train_metrics"]] == list(range(1, steps + 1))
     scalars = _scalars(tmp_path / "tensorboard" / "failing")
     assert [s for s, _ in scalars["train/reward"]] == [1]  # written before the writer failed
+    # that step has every TRL name that applies (no KL penalty here), read back by TensorBoard
+    [func] = hub.rewards.names
+    names = [*TRL_STEP_NAMES, f"rewards/{func}/mean", f"rewards/{func}/std"]
+    assert [n for n in names if [s for s, _ in scalars.get(f"train/{n}", [])] != [1]] == []
+    assert "train/kl" not in scalars
 
 
 def test_learner_figures_follow_their_definitions() -> None:
