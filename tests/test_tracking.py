@@ -302,3 +302,19 @@ def test_wandb_and_trackio_write_offline_under_the_hub_directory(tmp_path: Path,
     db = sqlite3.connect(tmp_path / "trackio" / "echo2.db")
     rows = db.execute("SELECT step, metrics FROM metrics ORDER BY id").fetchall()
     assert [s for s, _ in rows] == [1, 2, 0] and b'"train/reward":0.2' in rows[1][1] and b'"eval/reward":0.5' in rows[2][1]
+
+
+def test_report_to_in_hub_toml(tmp_path: Path) -> None:
+    from echo2.learner_hub.config import ConfigError, load_config, render_config
+    from echo2.learner_hub.tracking import report_targets
+
+    assert report_targets(HubConfig().report_to) == []  # "none" by default
+    p = tmp_path / "hub.toml"
+    p.write_text(render_config(HubConfig(report_to=["tensorboard", "wandb"], run_name="r1")))
+    cfg = load_config(p)
+    assert report_targets(cfg.report_to) == ["tensorboard", "wandb"] and cfg.run_name == "r1"
+    p.write_text('[hub]\nreport_to = "trackio"\n')
+    assert report_targets(load_config(p).report_to) == ["trackio"]
+    p.write_text('[hub]\nreport_to = ["tensorbord"]\n')
+    with pytest.raises(ConfigError, match='report_to = \\["tensorbord"\\]: must be one of "none", "tensorboard"'):
+        load_config(p)
