@@ -13,10 +13,11 @@ import dataclasses
 import difflib
 import logging
 import tomllib
+import types
 from dataclasses import dataclass, field
 from functools import cache
 from pathlib import Path
-from typing import Annotated, Any, Literal, get_args, get_origin, get_type_hints
+from typing import Annotated, Any, Literal, Union, get_args, get_origin, get_type_hints
 
 import msgspec
 import tomli_w
@@ -197,6 +198,8 @@ def _allowed(tp: Any) -> str:
         metas += [m for m in extra if isinstance(m, msgspec.Meta)]
     if get_origin(tp) is Literal:
         return "one of " + ", ".join(_toml_value(c) for c in get_args(tp))
+    if get_origin(tp) in (Union, types.UnionType):  # e.g. report_to: "none" or a list of names
+        return " or ".join(_allowed(t) for t in get_args(tp))
     words = {int: "an integer", float: "a number", str: "a string", bool: "true or false",
              DatasetSpec: "a table {path, split, prompt_column, eval_split, system_prompt}",
              LoraSpec: "a table {r (0..4096), alpha (an integer > 0), target_modules, dropout (0)}"}.get(tp) or (

@@ -146,17 +146,23 @@ class PolicyPublisher:
         prev = self.load_s.get(peer)
         self.load_s[peer] = d if prev is None else 0.7 * prev + 0.3 * d
 
-    def _close_metrics(self, pub: Published) -> None:
+    @staticmethod
+    def _figures(pub: Published) -> dict[str, Any]:
         times = sorted(pub.holds.values())
-        self.history.append(
-            {
-                "version": pub.version,
-                "nodes": len(times),
-                "first_s": times[0] if times else None,
-                "median_s": statistics.median(times) if times else None,
-                "last_s": times[-1] if times else None,
-            }
-        )
+        return {
+            "version": pub.version,
+            "nodes": len(times),
+            "first_s": times[0] if times else None,
+            "median_s": statistics.median(times) if times else None,
+            "last_s": times[-1] if times else None,
+        }
+
+    def open_metrics(self) -> list[dict[str, Any]]:
+        """The broadcast figures so far of the versions still in the window (not yet in history)."""
+        return [self._figures(pub) for _, pub in sorted(self.recent.items())]
+
+    def _close_metrics(self, pub: Published) -> None:
+        self.history.append(self._figures(pub))
         del self.history[:-1000]
         if self.on_closed is not None:
             self.on_closed(self.history[-1])

@@ -394,6 +394,9 @@ class Trainer:
             if res is not None:
                 await res
         log.info("finished %d steps", self.cfg.steps)
+        # the last versions never leave the publisher's window: their broadcast figures as they stand
+        for h in self.publisher.open_metrics():
+            self.tracker.log(int(h["version"]), broadcast_metrics(h))
 
     # --- verification (BRIEF §7; see verify.py) ----------------------------------------------------
     async def _verified(self, batch: list[tuple[int, Item]], checked: Callable[[dict[str, float]], None]) -> list[tuple[int, Item]]:

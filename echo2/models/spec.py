@@ -271,6 +271,8 @@ def load_local_model(
 #: positions whose vocabulary-wide float32 log-softmax is held at once (BRIEF section 11: SmolLM2's
 #: 49k vocabulary makes a [64, 96, V] float32 softmax 1.2 GB; 2048 positions are ~400 MB)
 LOGPROB_CHUNK_POSITIONS = 2048
+#: positions whose entropy is computed at once (two extra vocabulary-wide float32 copies each)
+ENTROPY_CHUNK_POSITIONS = 256
 
 
 def _autocast(device: torch.device, dtype: torch.dtype | None) -> Any:
@@ -343,8 +345,12 @@ def teacher_forced_batch(
         lse = torch.logsumexp(h, dim=-1)
         parts.append(tok - lse)
         if entropy_out is not None:
-            with torch.no_grad():  # H = lse - sum(p * h), p = softmax(h)
-                ents.append(lse.detach() - (torch.softmax(h.detach(), dim=-1) * h.detach()).sum(-1))
+            # H = lse - sum(p * h), p = softmax(h), over a few positions at a time: the softmax
+            # and product are vocabulary-wide copies (SmolLM2: 196 KB per position in float32)
+            with torch.no_grad():
+                split = max(1, ENTROPY_CHUNK_POSITIONS // max(b, 1))
+                for hs, ls in zip(h.detach().split(split, dim=1), lse.detach().split(split, dim=1), strict=True):
+                    ents.append(ls - (torch.softmax(hs, dim=-1) * hs).sum(-1))
     logp = torch.cat(parts, dim=1) * cmask
     if entropy_out is not None:
         entropy_out.append((torch.cat(ents, dim=1) * cmask)[:, :lc])
