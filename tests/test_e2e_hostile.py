@@ -164,7 +164,9 @@ def test_corrupt_relay_is_reported_and_banned(tmp_path: Path) -> None:
         assert "relayed corrupt chunks" in bans[bad]
         assert reports  # the reports made it a suspect; its own corrupt answer to the hub banned it (A9)
         wait_until(lambda: hostile.poll() is not None, 30, "banned node exits")
-        assert st is not None and st["relay_reports"] >= 2
+        # one report suffices since A9 (the hub's own challenge bans; before, a quorum of 2 reporters
+        # did): how many arrive before the ban is timing. Each counted report is recorded.
+        assert st is not None and 1 <= st["relay_reports"] <= len(reports)
         # every honest node still ends with the final version, verified against the manifest
         held = {n["peer_id"]: n.get("held_version") for n in st["nodes"]}
         assert set(held) <= honest
