@@ -262,35 +262,6 @@ def merge_results(parts: Sequence[PassResult], gidx: Sequence[Sequence[int]]) ->
 # ---------------------------------------------------------------------------- the rank processes
 
 
-def _share_spec(rank: int, spec: RankSpec) -> RankSpec:
-    """Rank 0's spec, initial weights included, to the ranks that joined from other machines
-    (they start with only the rendezvous). The weights go tensor by tensor over a gloo group of
-    rank 0 and those ranks (CPU tensors, whatever the main backend), never as one pickle: the
-    largest message is the largest tensor."""
-    import torch.distributed as dist
-
-    box: list[Any] = [None]
-    if rank == 0:
-        head = copy.copy(spec)
-        head.init_state = {}
-        box = [(head, [(k, tuple(v.shape), v.dtype) for k, v in spec.init_state.items()])]
-    dist.broadcast_object_list(box, src=0)
-    head, layout = box[0]
-    members = [0, *head.remote]
-    group = dist.new_group(members, backend="gloo")  # every rank calls new_group, members or not
-    if rank not in members:
-        return spec
-    state: dict[str, Tensor] = {}
-    for name, shape, dtype in layout:
-        t = spec.init_state[name].contiguous() if rank == 0 else torch.empty(shape, dtype=dtype)
-        dist.broadcast(t, src=0, group=group)
-        state[name] = t
-    if rank == 0:
-        return spec
-    head.init_state = state
-    return head  # type: ignore[no-any-return]
-
-
 def _rank_main(rank: int, spec: RankSpec, conn: Any) -> None:
     try:
         _serve(rank, spec, conn)
@@ -330,7 +301,9 @@ def _serve(rank: int, spec: RankSpec, conn: Any) -> None:
         timeout=datetime.timedelta(seconds=PG_TIMEOUT_S),
     )
     if spec.remote:
-        spec = _share_spec(rank, spec)
+        from .rank import share_spec  # ranks on other machines (rank.py imports this module)
+
+        spec = share_spec(rank, spec)
     mesh = init_device_mesh(device.type, (spec.world,))
     learner = _build_rank_learner(spec, mesh, device)
     del spec.init_state
@@ -446,14 +419,6 @@ def optimizer_from_fqn(osd: dict[str, Any], names: Sequence[str]) -> dict[str, A
     }
 
 
-def remote_command(addr: str, port: int, world: int, first_rank: int, nproc: int, device: str = "cpu") -> str:
-    """The torchrun line that starts ranks ``first_rank..first_rank+nproc-1`` on another machine
-    (rank.py): torchrun's own rendezvous stays local to that machine (``--standalone``); the
-    ranks meet the hub's at ``addr:port``."""
-    return (f"torchrun --standalone --nproc-per-node {nproc} -m echo2.learner_hub.rank --join {addr}:{port} "
-            f"--world {world} --first-rank {first_rank} --device {device}")
-
-
 class ShardedLearner:
     """The hub's handle on N FSDP2 ranks, with the interface Trainer and Verifier use of
     :class:`Learner`: ``version``, ``step``, ``state_dict_for_publish``, ``checkpoint_state``,
@@ -507,6 +472,8 @@ class ShardedLearner:
             local=local,
         )
         if spec.remote:
+            from .rank import remote_command  # rank.py imports this module
+
             log.warning(
                 "sharded learner: ranks %d..%d run elsewhere; on the other machine(s) start them with: %s",
                 local, procs - 1, remote_command(spec.addr, spec.port, procs, local, procs - local, device),

@@ -17,13 +17,55 @@ only, no hub.toml and no model files. Plain ``python -m echo2.learner_hub.rank``
 from __future__ import annotations
 
 import argparse
+import copy
 import logging
 import os
 import sys
+from typing import Any
+
+import torch
+from torch import Tensor
 
 from .distributed import RankSpec, _rank_main
 
 log = logging.getLogger(__name__)
+
+
+def remote_command(addr: str, port: int, world: int, first_rank: int, nproc: int, device: str = "cpu") -> str:
+    """The torchrun line that starts ranks ``first_rank..first_rank+nproc-1`` on another machine
+    (rank.py): torchrun's own rendezvous stays local to that machine (``--standalone``); the
+    ranks meet the hub's at ``addr:port``."""
+    return (f"torchrun --standalone --nproc-per-node {nproc} -m echo2.learner_hub.rank --join {addr}:{port} "
+            f"--world {world} --first-rank {first_rank} --device {device}")
+
+
+def share_spec(rank: int, spec: RankSpec) -> RankSpec:
+    """Rank 0's spec, initial weights included, to the ranks that joined from other machines
+    (they start with only the rendezvous). The weights go tensor by tensor over a gloo group of
+    rank 0 and those ranks (CPU tensors, whatever the main backend), never as one pickle: the
+    largest message is the largest tensor."""
+    import torch.distributed as dist
+
+    box: list[Any] = [None]
+    if rank == 0:
+        head = copy.copy(spec)
+        head.init_state = {}
+        box = [(head, [(k, tuple(v.shape), v.dtype) for k, v in spec.init_state.items()])]
+    dist.broadcast_object_list(box, src=0)
+    head, layout = box[0]
+    members = [0, *head.remote]
+    group = dist.new_group(members, backend="gloo")  # every rank calls new_group, members or not
+    if rank not in members:
+        return spec
+    state: dict[str, Tensor] = {}
+    for name, shape, dtype in layout:
+        t = spec.init_state[name].contiguous() if rank == 0 else torch.empty(shape, dtype=dtype)
+        dist.broadcast(t, src=0, group=group)
+        state[name] = t
+    if rank == 0:
+        return spec
+    head.init_state = state
+    return head  # type: ignore[no-any-return]
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -16,8 +16,9 @@ import pytest
 from test_distributed_learner import KW, _groups, _model, _rel
 
 from echo2.learner_hub.config import ConfigError, HubConfig, check_sampling
-from echo2.learner_hub.distributed import ShardedLearner, remote_command
+from echo2.learner_hub.distributed import ShardedLearner
 from echo2.learner_hub.learner import Learner
+from echo2.learner_hub.rank import remote_command
 
 
 def _port() -> int:
