@@ -297,7 +297,8 @@ class Fleet:
             gone.sort(key=rank.__getitem__)
         for peer in gone:
             log.warning("node %s silent for %.0fs: dropping it; its tasks are reassigned", peer, now - self.nodes[peer].last_seen)
-            self.ledger.deactivate(peer, now)
+            # billed up to the last time it was heard from: the silence is not work the operator got
+            self.ledger.deactivate(peer, self.nodes[peer].last_seen)
             self.store.submit(HubStore.set_node_state, peer, "gone")
             self.changed = True
             self.eligibility_changed.add(peer)

@@ -56,7 +56,7 @@ from .intake import Accept, Intake, Punish, TaskParams, result_tokens
 from .ledger import Ledger
 from .outbox import Outbox
 from .publisher import PolicyPublisher, StarSender
-from .receipts import make_receipt, seal_receipt
+from .receipts import make_receipt, make_statement, seal_receipt
 from .recipe import build_recipe
 from .reputation import Event
 from .rewards import RewardRunner, Scored, TrainerState, apply_scores, batch_of, load_reward_funcs
@@ -332,7 +332,13 @@ class Hub:
                 if self.intake.decline(task.task_id, peer, f"paused: {p.reason}"):
                     self.store.submit(HubStore.close_task, task.task_id, "declined:paused", now)
         self._pump()
-        return envelope.seal(self.identity, ErrorReply(code="ok", message="noted"))
+        account = self.ledger.row(peer, time.time()) if p.paused else None
+        if account is None or account.active:
+            return envelope.seal(self.identity, ErrorReply(code="ok", message="noted"))
+        # billing stopped (activation left the paused node out): the node's account, signed, so the
+        # time billed since its last receipt is in its proof of contribution too (issue 19)
+        statement = make_statement(self.identity.peer_id, peer, price_micro=account.price_micro, at=now, account=account)
+        return seal_receipt(self.identity, statement)
 
     async def on_holds(self, peer: str, data: bytes) -> bytes:
         v = envelope.open_envelope(data, HoldsVersion, replay=self.replay, allowed=self._signed_by(peer)).message

@@ -32,5 +32,15 @@ def make_receipt(
     )
 
 
+def make_statement(hub_id: str, node_id: str, *, price_micro: int, at: float, account: AccountRow) -> Receipt:
+    """A receipt of no results: the node's account when the hub stops billing it (it paused or
+    left). Time billed after a node's last accepted result is stated only here."""
+    return Receipt(
+        hub_id=hub_id, node_id=node_id, task_ids=[], results=0, rollouts=0, tokens=0, price_micro=price_micro,
+        accepted_at=at, account_results=account.accepted_results, account_rollouts=account.accepted_rollouts,
+        account_tokens=account.accepted_tokens, account_cost_micro=account.cost_micro,
+    )
+
+
 def seal_receipt(identity: Identity, receipt: Receipt) -> bytes:
     return envelope.seal(identity, receipt, ttl_s=RECEIPT_TTL_S)

@@ -99,6 +99,7 @@ class Pauser:
         self._told_at = 0.0
         self.on_prefs_changed: Callable[[Prefs], None] = lambda _p: None
         self.on_change: Callable[[], None] = lambda: None  # paused or resumed (the node rewrites its state file)
+        self.on_reply: Callable[[bytes], Awaitable[None]] | None = None  # the hub's answer (a statement of account)
         self.pauses = 0  # times computing paused (for status and tests)
         self.relay_bytes: Callable[[], int] = lambda: 0  # the policy downlink's bytes in and out so far
         self._relay_seen = 0
@@ -232,18 +233,26 @@ class Pauser:
         # a change is told at once; a pause is repeated as the node's keepalive (it polls no work)
         if key == self._told and (d.run or time.monotonic() - self._told_at < WORK_POLL_S):
             return
-        msg = NodePause(peer_id=self.identity.peer_id, paused=not d.run, reason_code=d.code[:64], reason=d.reason[:512],
-                        resume_at=max(0.0, d.resume_at))
+        if await self.tell(host, paused=not d.run, code=d.code, reason=d.reason, resume_at=d.resume_at):
+            self._told, self._told_at = key, time.monotonic()
+
+    async def tell(self, host: Requester, *, paused: bool, code: str, reason: str, resume_at: float = 0.0) -> bool:
+        """One NodePause to the hub; True if it took it. The hub answers a pause with a signed
+        statement of our account (billing stopped), handed to ``on_reply``."""
+        msg = NodePause(peer_id=self.identity.peer_id, paused=paused, reason_code=code[:64], reason=reason[:512],
+                        resume_at=max(0.0, resume_at))
         try:
-            await host.request(self.hub_peer, PAUSE, envelope.seal(self.identity, msg), max_response=MAX_CONTROL_REQUEST,
-                               timeout_s=10)
+            reply = await host.request(self.hub_peer, PAUSE, envelope.seal(self.identity, msg),
+                                       max_response=MAX_CONTROL_REQUEST, timeout_s=10)
         except RemoteError as exc:
             log.debug("hub did not take our pause message (%s); will retry", exc)
-            return
+            return False
         except (Echo2Error, OSError) as exc:
             log.debug("pause message not delivered (%s); will retry", exc)
-            return
-        self._told, self._told_at = key, time.monotonic()
+            return False
+        if self.on_reply is not None:
+            await self.on_reply(reply)
+        return True
 
     def status(self) -> dict[str, Any]:
         d = self.current

@@ -67,6 +67,23 @@ def check_receipt(data: bytes, *, hub_peer: str, me: str, task_id: str, replay: 
     return msg
 
 
+def check_statement(data: bytes, *, hub_peer: str, me: str, replay: ReplayCheck | None,
+                    now: float | None = None) -> Receipt | None:
+    """The statement in the hub's reply to our pause message; None for a plain "noted"."""
+    v = envelope.open_envelope(data, (Receipt, ErrorReply), replay=replay, now=now,
+                               allowed=lambda signer, _t: signer == hub_peer, max_size=Receipt.MAX_SIZE)
+    msg = v.message
+    if isinstance(msg, ErrorReply):
+        return None
+    assert isinstance(msg, Receipt)
+    _check_names(msg, v.signer)
+    if msg.node_id != me:
+        raise ReceiptError(f"statement names another node ({msg.node_id})")
+    if not msg.is_statement:
+        raise ReceiptError("the hub answered a pause with a receipt for results")
+    return msg
+
+
 def _check_names(r: Receipt, signer: str) -> None:
     if r.hub_id != signer:
         raise ReceiptError(f"receipt names hub {r.hub_id} but was signed by {signer}")
@@ -102,6 +119,7 @@ class ReceiptBook:
         self.rejections = data_dir / REJECTIONS_FILE
         self._lock = trio.Lock()  # records stay whole: one append at a time
         self.kept = 0
+        self._last_statement: tuple[str, int, int] | None = None
 
     async def accepted(self, reply: bytes, *, hub_peer: str, me: str, task_id: str, replay: ReplayCheck | None) -> None:
         """The hub's reply to an accepted result: keep its receipt (a bad one is logged, not kept)."""
@@ -118,6 +136,23 @@ class ReceiptBook:
         self.kept += 1
         log.info("receipt for task %s: %d tokens, credit at hub %s now $%.6f", task_id, receipt.tokens,
                  hub_peer[-8:], receipt.account_cost_micro / MICRO)
+
+    async def statement(self, reply: bytes, *, hub_peer: str, me: str, replay: ReplayCheck | None) -> None:
+        """The hub's reply to our pause or goodbye: a statement of our account when it stopped
+        billing us, kept like a receipt (a plain "noted" is not kept). A paused node repeats its
+        pause as a keepalive, so an account already stated is not kept twice."""
+        try:
+            r = check_statement(reply, hub_peer=hub_peer, me=me, replay=replay)
+        except Echo2Error as exc:
+            log.warning("statement from the hub refused: %s", exc)
+            return
+        key = (hub_peer, r.account_results, r.account_cost_micro) if r is not None else None
+        if r is None or key == self._last_statement:
+            return
+        if await self._write(self.path, _LEN.pack(len(reply)) + reply):
+            self._last_statement = key
+            log.info("statement from hub %s: %d results, credit $%.6f", hub_peer[-8:], r.account_results,
+                     r.account_cost_micro / MICRO)
 
     async def refused(self, *, hub_peer: str, task_id: str, code: str, reason: str) -> None:
         line = json.dumps({"hub": hub_peer, "task_id": task_id, "code": code, "reason": reason[:1024], "at": time.time()})
@@ -192,6 +227,7 @@ class HubCredit:
 
     hub: str
     receipts: int = 0
+    statements: int = 0  # receipts of no results: the account when the hub stopped billing
     results: int = 0
     rollouts: int = 0
     tokens: int = 0
@@ -202,7 +238,7 @@ class HubCredit:
 
     def as_dict(self) -> dict[str, Any]:
         return {
-            "hub": self.hub, "receipts": self.receipts, "results": self.results, "rollouts": self.rollouts,
+            "hub": self.hub, "receipts": self.receipts, "statements": self.statements, "results": self.results, "rollouts": self.rollouts,
             "tokens": self.tokens, "credit_micro_usd": self.credit_micro, "credit_usd": self.credit_micro / MICRO,
             "account_results": self.account_results, "account_tokens": self.account_tokens,
             "complete": self.results == self.account_results and self.tokens == self.account_tokens,
@@ -222,10 +258,13 @@ def credit(receipts: Iterable[Receipt]) -> dict[str, HubCredit]:
         seen: set[str] = set()
         prev_cost = 0
         for r in sorted(rs, key=lambda r: (r.account_results, r.accepted_at)):
-            if any(t in seen for t in r.task_ids):
+            if r.is_statement:
+                c.statements += 1
+            elif any(t in seen for t in r.task_ids):
                 continue  # the same task's receipt kept twice is counted once
+            else:
+                c.receipts += 1
             seen.update(r.task_ids)
-            c.receipts += 1
             c.results, c.rollouts, c.tokens = c.results + r.results, c.rollouts + r.rollouts, c.tokens + r.tokens
             day = time.strftime("%Y-%m-%d", time.gmtime(r.accepted_at))
             d = c.days.setdefault(day, {"results": 0, "tokens": 0, "earned_micro_usd": 0})
@@ -268,7 +307,7 @@ def render(s: dict[str, Any]) -> str:
         note = "" if c["complete"] else (
             f" (the hub counts {c['account_results']} results, {c['account_tokens']} tokens: some receipts are not here)")
         lines.append(f"hub {hub}: credit ${c['credit_usd']:.6f}, {c['results']} results, {c['rollouts']} rollouts, "
-                     f"{c['tokens']} tokens{note}")
+                     f"{c['tokens']} tokens, {c['statements']} statements{note}")
         for day, d in sorted(c["days"].items()):
             lines.append(f"  {day}  {d['results']:6d} results  {d['tokens']:9d} tokens  "
                          f"earned ${d['earned_micro_usd'] / MICRO:.6f}")

@@ -108,6 +108,8 @@ class Node(TaskLoop):
         self.pauser = Pauser(self.identity, self.hub_peer, cfg.data_dir, cfg.prefs)
         self.pauser.on_prefs_changed = self._prefs_changed
         self.pauser.on_change = self._write_state
+        self.pauser.on_reply = lambda reply: self.receipts.statement(reply, hub_peer=self.hub_peer, me=self.peer_id,
+                                                                     replay=self.replay)
         self.pauser.relay_bytes = lambda: (self.relay.bytes_in + self.relay.bytes_out) if self.relay is not None else 0
 
     @property
@@ -195,6 +197,7 @@ class Node(TaskLoop):
                 nursery.start_soon(self.pauser.run, host)
                 await self._stop.wait()
                 await self._abandon_current(host)
+                await self._say_goodbye(host)
                 nursery.cancel_scope.cancel()
         self._write_state()
         return 0
@@ -214,6 +217,12 @@ class Node(TaskLoop):
         if task is not None:
             with trio.move_on_after(3):
                 await self._decline(host, task, "shutdown", "node is shutting down")
+
+    async def _say_goodbye(self, host: ControlHost) -> None:
+        """Tell the hub we leave, so it stops billing us now rather than when it finds us silent,
+        and keep its statement of our account: our receipts then sum to its ledger (issue 19)."""
+        with trio.move_on_after(5):
+            await self.pauser.tell(host, paused=True, code="leaving", reason="the node is stopping")
 
     async def _measure_links(self, host: ControlHost) -> None:
         """Reachability (the hub dials back), clock skew and bandwidth to the hub, hub-measured."""

@@ -496,6 +496,11 @@ class Receipt(Message):
     after this batch: ``account_cost_micro`` is the amount the hub owes the node so far (the
     ledger bills price x active time), so a node's credit is its latest receipt's figure and the
     increase between two receipts is what was earned in between.
+
+    A *statement* is a receipt of no results (``results == 0``, no task ids): the hub's account of
+    the node when it stops billing it (the node paused or left). The ledger bills active time, so
+    time after the last accepted result is only covered by a statement; with it, the latest
+    receipt's ``account_cost_micro`` equals the hub's ledger for the node.
     """
 
     TYPE: ClassVar[str] = "receipt"
@@ -503,8 +508,8 @@ class Receipt(Message):
     SPEC: ClassVar[dict[str, Spec]] = {
         "hub_id": _PEER,
         "node_id": _PEER,
-        "task_ids": List(Str(64), MAX_RECEIPT_TASKS, min_len=1),
-        "results": Int(1, INT64_MAX),
+        "task_ids": List(Str(64), MAX_RECEIPT_TASKS),
+        "results": _U64,
         "rollouts": _U64,
         "tokens": _U64,
         "price_micro": _U64,
@@ -526,6 +531,14 @@ class Receipt(Message):
     account_rollouts: int
     account_tokens: int
     account_cost_micro: int
+
+    @property
+    def is_statement(self) -> bool:
+        return self.results == 0
+
+    def _check_fields(self, path: str) -> None:
+        if (self.results == 0) != (not self.task_ids) or (self.results == 0 and (self.rollouts or self.tokens)):
+            raise _fail(path, "a receipt names its tasks and counts their results; a statement (0 results) names none")
 
 
 MESSAGE_TYPES: dict[str, type[Message]] = {

@@ -1,6 +1,7 @@
 """Issue 19 must-show: a real swarm (hub and node processes on 127.0.0.1, the tiny model; the node
 joins with a join string naming the hub as /dns4/localhost): the node's receipts verify offline, one with a byte changed is refused, and the credit they sum equals the hub's
-ledger for that node."""
+ledger for that node: results, rollouts, tokens and money (the statement the hub signs when the
+node says goodbye covers the time billed after its last result)."""
 
 from __future__ import annotations
 
@@ -62,12 +63,14 @@ def test_swarm_receipts_verify_and_sum_to_the_hub_ledger(tmp_path: Path) -> None
         hub_id = (tmp_path / "hub" / "hub.addrs").read_text().split()[0].rsplit("/", 1)[1]
 
     rc, s = receipts_cli(node_dir)
-    assert rc == 0 and s["verified"] == s["receipts"] == TASKS and not s["refused"], s
     c = s["hubs"][hub_id]
+    # the stopping node's goodbye stopped its billing, and the hub's answer states its account
+    assert rc == 0 and s["verified"] == s["receipts"] == TASKS + 1 and not s["refused"], s
+    assert (c["receipts"], c["statements"]) == (TASKS, 1)
     # the credit the receipts sum is the hub's ledger for this node
     assert (c["results"], c["rollouts"], c["tokens"]) == (results, rollouts, tokens) == (TASKS, rollouts, tokens)
     assert c["complete"] and len(entries) == TASKS
-    assert 0 < c["credit_micro_usd"] <= cost  # billed at 3.6 $/h while active; the ledger billed on after the last receipt
+    assert 0 < c["credit_micro_usd"] == cost  # billed at 3.6 $/h while active, to the goodbye
     assert all(p == 1_000_000 * 3.6 for _, _, p in entries.values())
     print(f"receipts: {c['results']} results, {c['rollouts']} rollouts, {c['tokens']} tokens, credit {c['credit_micro_usd']}"
           f" micro-USD; hub ledger: {results} results, {rollouts} rollouts, {tokens} tokens, cost {cost} micro-USD")
@@ -78,4 +81,4 @@ def test_swarm_receipts_verify_and_sum_to_the_hub_ledger(tmp_path: Path) -> None
     data[len(data) // 2] ^= 0x01
     f.write_bytes(bytes(data))
     rc, s = receipts_cli(node_dir)
-    assert rc == 1 and s["verified"] < TASKS and s["refused"], s
+    assert rc == 1 and s["verified"] < TASKS + 1 and s["refused"], s

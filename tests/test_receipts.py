@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import sqlite3
+import time
 from functools import partial
 from pathlib import Path
 
@@ -21,13 +22,14 @@ from echo2.node.receipts import (
     ReceiptBook,
     ReceiptError,
     check_receipt,
+    check_statement,
     read_records,
     summary,
 )
 from echo2.protocol import envelope
 from echo2.protocol.errors import BadSignature, Echo2Error, MeaningError
 from echo2.protocol.identity import Identity
-from echo2.protocol.messages import ErrorReply, Receipt
+from echo2.protocol.messages import ErrorReply, NodePause, Receipt
 
 
 @pytest.fixture(scope="module")
@@ -151,3 +153,51 @@ def test_status_shows_credit_and_refusals(run: tuple[Hub, Identity, list[bytes],
     assert main(["node", "status", "--json", "--data-dir", str(node_dir)]) == 0
     st = json.loads(capsys.readouterr().out)
     assert st["receipts"]["hubs"][hub.identity.peer_id]["results"] == 2
+
+
+def test_a_pause_is_answered_with_a_statement_so_credit_equals_the_ledger(tmp_path: Path) -> None:
+    """The ledger bills active time, so time after a node's last accepted result is billed too: a
+    pause (or the goodbye of a stopping node) stops the billing and the hub answers with a signed
+    statement of the account, which the node keeps once. Its credit is then the ledger's figure."""
+    hub = Hub(small_hub_cfg(tmp_path / "hub"))
+    node = Identity.generate()
+    assert admit(hub, node).admitted
+    book, me, hub_peer = ReceiptBook(tmp_path), node.peer_id, hub.identity.peer_id
+    task = take_task(hub, node)
+    reply = trio.run(hub.on_result, me, envelope.seal(node, run_task(hub, node, task)))
+    trio.run(partial(book.accepted, reply, hub_peer=hub_peer, me=me, task_id=task.task_id, replay=envelope.ReplayGuard()))
+    after_result = summary(tmp_path)["hubs"][hub_peer]["credit_micro_usd"]
+    time.sleep(0.3)  # still active, still billed (0.1 $/h)
+    pause = NodePause(peer_id=me, paused=True, reason_code="leaving", reason="the node is stopping", resume_at=0.0)
+    for _ in range(3):  # a paused node repeats its pause as its keepalive: the same account is kept once
+        reply = trio.run(hub.on_pause, me, envelope.seal(node, pause))
+        trio.run(partial(book.statement, reply, hub_peer=hub_peer, me=me, replay=envelope.ReplayGuard()))
+    row = hub.ledger.row(me, time.time() + 3600)
+    hub.store.close()
+    assert row is not None and not row.active  # billing stopped at the pause: the figure no longer moves
+    s = summary(tmp_path)
+    c = s["hubs"][hub_peer]
+    assert s["verified"] == s["receipts"] == 2 and (c["receipts"], c["statements"]) == (1, 1)
+    assert c["credit_micro_usd"] == row.cost_micro > after_result
+    assert (c["results"], c["tokens"]) == (row.accepted_results, row.accepted_tokens) and c["complete"]
+    # a statement is checked like a receipt: one that names tasks is not a statement
+    with pytest.raises(ReceiptError):
+        check_statement(replies_of(hub, node, 1)[0], hub_peer=hub_peer, me=me, replay=None)
+
+
+def replies_of(hub: Hub, node: Identity, n: int) -> list[bytes]:
+    """``n`` sealed receipts of the hub's key for ``node`` (as a hub would answer results)."""
+    r = Receipt(hub_id=hub.identity.peer_id, node_id=node.peer_id, task_ids=["t"], results=1, rollouts=1, tokens=1,
+                price_micro=0, accepted_at=time.time(), account_results=1, account_rollouts=1, account_tokens=1,
+                account_cost_micro=0)
+    return [envelope.seal(hub.identity, r) for _ in range(n)]
+
+
+def test_receipt_schema_statement_rules() -> None:
+    base = dict(hub_id="h", node_id="n", price_micro=0, accepted_at=1.0, account_results=0, account_rollouts=0,
+                account_tokens=0, account_cost_micro=5)
+    ident = Identity.generate()
+    for bad in (dict(task_ids=[], results=1, rollouts=0, tokens=0), dict(task_ids=["t"], results=0, rollouts=0, tokens=0),
+                dict(task_ids=[], results=0, rollouts=2, tokens=0)):
+        with pytest.raises(Echo2Error):
+            envelope.open_envelope(envelope.seal(ident, Receipt(**(base | bad))), Receipt, replay=None)  # type: ignore[arg-type]
