@@ -15,6 +15,7 @@ import dataclasses
 import gc
 import logging
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 from echo2.models.engine_api import EngineError, Interrupted, is_out_of_memory
@@ -43,24 +44,50 @@ def _release_memory() -> None:
         log.debug("could not release accelerator memory: %r", exc)
 
 
+@dataclass
+class TaskMeter:
+    """How far a running task is, for the progress line (read by the loop, written by the worker
+    thread: plain int assignments). ``step`` counts decoding steps of the current engine call, as
+    seen by an engine with an ``interrupt`` hook (transformers); others report whole calls only."""
+
+    samples: int
+    max_new_tokens: int
+    samples_done: int = 0
+    tokens_done: int = 0
+    batch: int = 0
+    step: int = 0
+
+    def text(self) -> str:
+        now = f"; {self.batch} samples at token {min(self.step, self.max_new_tokens)} of {self.max_new_tokens}" if self.batch else ""
+        return f"{self.samples_done} of {self.samples} samples done ({self.tokens_done} tokens){now}"
+
+
 def generate_bounded(
-    engine: Any, task: Task, batch_rows: int, should_stop: Callable[[], bool] | None = None
+    engine: Any, task: Task, batch_rows: int, should_stop: Callable[[], bool] | None = None,
+    meter: TaskMeter | None = None,
 ) -> tuple[list[Completion], int]:
     """(the task's completions, in prompt order; the batch size that worked, ≤ ``batch_rows``).
     ``should_stop`` is asked before each engine call and, by an engine with an ``interrupt`` hook
     (transformers), between tokens: True raises :class:`Interrupted`. The hook is set for this
-    call only: a version's throughput measurement must not fail because the node is paused."""
-    if should_stop is None or not hasattr(engine, "interrupt"):
-        return _generate_bounded(engine, task, batch_rows, should_stop)
-    engine.interrupt = should_stop
+    call only: a version's throughput measurement must not fail because the node is paused.
+    ``meter`` follows the task's progress (samples done, the current call's decoding step)."""
+    if (should_stop is None and meter is None) or not hasattr(engine, "interrupt"):
+        return _generate_bounded(engine, task, batch_rows, should_stop, meter)
+
+    def between_tokens() -> bool:
+        if meter is not None:
+            meter.step += 1
+        return should_stop() if should_stop is not None else False
+
+    engine.interrupt = between_tokens
     try:
-        return _generate_bounded(engine, task, batch_rows, should_stop)
+        return _generate_bounded(engine, task, batch_rows, should_stop, meter)
     finally:
         engine.interrupt = None
 
 
 def _generate_bounded(
-    engine: Any, task: Task, batch_rows: int, should_stop: Callable[[], bool] | None
+    engine: Any, task: Task, batch_rows: int, should_stop: Callable[[], bool] | None, meter: TaskMeter | None = None,
 ) -> tuple[list[Completion], int]:
     prompts = [list(p) for p in task.prompts]
     if not prompts:
@@ -77,6 +104,8 @@ def _generate_bounded(
         if should_stop is not None and should_stop():
             raise Interrupted(f"task {task.task_id} stopped after {len(out)} of {len(prompts) * g} samples")
         oom = ""
+        if meter is not None:
+            meter.batch, meter.step = n * k, 0
         try:
             got = engine.generate(
                 prompts[p : p + n], k, task.max_new_tokens, task.temperature, task.top_p, batch_seed(task.seed, call)
@@ -95,6 +124,9 @@ def _generate_bounded(
                         batch_rows)
             continue
         out.extend(dataclasses.replace(c, prompt_index=c.prompt_index + p) for c in got)
+        if meter is not None:
+            meter.samples_done, meter.batch = len(out), 0
+            meter.tokens_done += sum(len(c.token_ids) for c in got)
         call += 1
         if k == g:
             p += n

@@ -199,10 +199,15 @@ class NodeSteps:
         elif self.p.event != "idle":
             self.p.set("idle", "waiting for a task from the hub", repeat_s=IDLE_REPEAT_S)
 
-    def task(self, task_id: str, prompts: int, group: int, max_new: int) -> None:
+    def task(self, task_id: str, prompts: int, group: int, max_new: int, meter: Any = None) -> None:
+        """A task starts; with a ``meter`` (generate.TaskMeter) the repeated line says how far it is."""
         budget = prompts * group * max_new
-        self.p.set("task", f"task {task_id}: generating {prompts} prompts x {group} samples, up to {max_new} "
-                           f"new tokens each (at most {budget} tokens)", task_id=task_id, budget=budget)
+        head = (f"task {task_id}: generating {prompts} prompts x {group} samples, up to {max_new} "
+                f"new tokens each (at most {budget} tokens)")
+        if meter is None:
+            self.p.set("task", head, task_id=task_id, budget=budget)
+        else:
+            self.p.set("task", lambda: f"{head}: {meter.text()}", task_id=task_id, budget=budget)
 
     def generated(self, task_id: str, tokens: int, budget: int, seconds: float) -> None:
         self.p.set("task", f"task {task_id}: generated {tokens} of at most {budget} tokens in {seconds:.1f} s; "

@@ -26,7 +26,7 @@ from echo2.protocol.wire import DECLINE, MAX_CONTROL_REQUEST, MAX_TASK, RESULT, 
 from .budget import Budget, Footprint, TaskTooLarge, plan_task
 from .config import NodeConfig, NodeStats
 from .delivery import deliver_until
-from .generate import generate_bounded
+from .generate import TaskMeter, generate_bounded
 from .pausing import Pauser
 from .progress import NodeSteps
 from .receipts import ReceiptBook
@@ -155,7 +155,8 @@ class TaskLoop:
     async def _run_task(self, host: ControlHost, task: Task) -> None:
         started = time.time()
         self._current_task = task
-        self.steps.task(task.task_id, len(task.prompts), task.group_size, task.max_new_tokens)
+        meter = TaskMeter(len(task.prompts) * task.group_size, task.max_new_tokens)
+        self.steps.task(task.task_id, len(task.prompts), task.group_size, task.max_new_tokens, meter)
         async with self._engine_lock:
             version = self._engine.version
             t0 = time.monotonic()
@@ -163,7 +164,7 @@ class TaskLoop:
             try:
                 batch_rows = self._plan(task)
                 completions, worked = await trio.to_thread.run_sync(generate_bounded, self._engine, task, batch_rows,
-                                                                    self.pauser.should_stop)
+                                                                    self.pauser.should_stop, meter)
                 if worked < batch_rows:
                     self._rows_cap = worked  # what ran out of memory once is not tried again
             except Interrupted:  # the preferences paused the node: the task goes back to the hub now

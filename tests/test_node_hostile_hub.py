@@ -6,6 +6,7 @@ attention and the model hub offline (A8)."""
 from __future__ import annotations
 
 import dataclasses
+import io
 import json
 import os
 import sys
@@ -335,3 +336,36 @@ def test_a8_node_runs_with_the_model_hub_offline(tmp_path: Path, monkeypatch: py
     assert all(os.environ[v] == "1" for v in OFFLINE_VARS)
     assert hf_constants.HF_HUB_OFFLINE is True and is_offline()
     assert "huggingface_hub.constants" in sys.modules
+
+
+def test_task_meter_follows_a_running_task_between_tokens() -> None:
+    """Issue 19 item 4: the task's progress line says how far generation is, token by token."""
+    from echo2.node.generate import TaskMeter
+    from echo2.node.progress import NodeSteps, Progress
+
+    eng = TransformersEngine(device="cpu")
+    cj, arts, sd = tiny_version()
+    eng.load_version(1, cj, arts, sd)
+    task = Task(task_id="t", node_id=HUB.peer_id, prompts=[[5, 6], [7], [8, 9, 10]], group_size=2, max_new_tokens=6,
+                temperature=1.0, top_p=1.0, seed=9, min_version=0, max_version_lag=0, deadline=0.0)
+    meter = TaskMeter(6, 6)
+    out = io.StringIO()
+    steps = NodeSteps(Progress("json", out=out))
+    steps.task("t", 3, 2, 6, meter)
+    seen: list[tuple[int, int]] = []
+
+    def stop() -> bool:  # asked between tokens: the meter is already counting this call's steps
+        seen.append((meter.samples_done, meter.step))
+        return False
+
+    comps, rows = generate_bounded(eng, task, 2, stop, meter)  # 2 samples per engine call: 3 calls
+    assert rows == 2 and meter.samples_done == 6 and meter.tokens_done == sum(len(c.token_ids) for c in comps)
+    assert {d for d, _ in seen} == {0, 2, 4} and max(s for _, s in seen) >= 1  # counted inside each call
+    assert engine_hook_cleared(eng)
+    steps.p._say(steps.p.message, steps.p.fields, again=True)  # what the watcher says while it runs
+    line = json.loads(out.getvalue().splitlines()[-1])
+    assert line["event"] == "task" and f"6 of 6 samples done ({meter.tokens_done} tokens)" in line["message"]
+
+
+def engine_hook_cleared(eng: TransformersEngine) -> bool:
+    return getattr(eng, "interrupt", None) is None
