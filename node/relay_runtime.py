@@ -150,6 +150,8 @@ class RelayNode:
         self.on_holds = on_holds
         self.on_evidence = on_evidence
         self.on_same_version = on_same_version
+        #: a version this node cannot store (its disk cap or free disk): (version, why)
+        self.on_refused: Callable[[int, str], None] | None = None
         self.limiter = UploadLimiter(self.cfg.upload_MBps) if self.cfg.upload_MBps > 0 else None
         self.server = DataPlaneServer(identity, self._serve, host=host, port=port, upload_limiter=self.limiter)
         self.driver = RelayDriver(
@@ -338,6 +340,8 @@ class RelayNode:
         refusal = budget_refusal(m, self.cfg, missing_bytes=missing_bytes, free_disk=free, stored_bytes=stored)
         if refusal is not None:
             log.warning("manifest v%d refused: %s", m.version, refusal)
+            if self.on_refused is not None:
+                self.on_refused(m.version, refusal)
             return
         await trio.to_thread.run_sync(self.store.save_version, m, raw)
         have = [c.index for c in m.chunks if c.index not in missing]

@@ -301,6 +301,7 @@ class Node(TaskLoop):
             on_evidence=self._on_evidence,
             on_same_version=self._on_same_version,
         )
+        relay.on_refused = self._on_version_refused
         if self.relay is not None:
             relay.held = self.relay.held  # a restarted relay: what is on disk and loaded stays known
         self.relay = relay
@@ -320,6 +321,12 @@ class Node(TaskLoop):
                 raise
             # the budget check passed but the machine had less to give: keep serving the old version
             log.error("version %d could not be loaded: out of memory (%s)", info.version, str(exc)[:200])
+
+    def _on_version_refused(self, version: int, why: str) -> None:
+        """A version this node cannot store: it cannot work on it either, so it pauses and tells
+        the hub why (not a failure: no reputation cost) until a version fits (its load clears the
+        block) or the owner changes the caps."""
+        self.pauser.set_block("disk", f"version {version} does not fit this node's disk: {why}")
 
     def _on_same_version(self, version: int) -> None:
         # The hub sent a manifest identical to the version we hold and run (a hub resumed from a

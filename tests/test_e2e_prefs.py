@@ -49,9 +49,9 @@ def node_row(st: dict[str, Any] | None, peer: str) -> dict[str, Any]:
 
 @pytest.mark.slow
 @pytest.mark.e2e
-@pytest.mark.timeout(240)
+@pytest.mark.timeout(480)
 def test_hours_window_closes_and_reopens(tmp_path: Path) -> None:
-    steps = 40
+    steps = 100  # long enough that the others do not finish the run while node0 is paused (40 did, on a quiet machine)
     cfg = small_cfg(steps, staleness=3, prompts_per_step=8, group_size=4, max_new_tokens=16, task_deadline_s=20.0,
                     node_silence_s=SILENCE_S, seed=11)
     with LocalSwarm(tmp_path, cfg, n_nodes=2) as swarm:
@@ -99,7 +99,7 @@ def test_hours_window_closes_and_reopens(tmp_path: Path) -> None:
         assert capped.get("state") == "paused" and capped["paused"].startswith("model_too_large: "), capped
         assert "parameters" in capped["paused"] and "1.0 MiB (configured)" in capped["paused"], capped
         assert swarm.nodes[2].poll() is None
-        st = swarm.wait(150)
+        st = swarm.wait(330)
         assert_run_ok(st, steps, tmp_path)
     assert st is not None
     assert node_row(st, small).get("tasks_done") == 0

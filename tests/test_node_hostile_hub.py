@@ -369,3 +369,14 @@ def test_task_meter_follows_a_running_task_between_tokens() -> None:
 
 def engine_hook_cleared(eng: TransformersEngine) -> bool:
     return getattr(eng, "interrupt", None) is None
+
+
+def test_a_version_over_the_disk_cap_pauses_the_node_with_the_reason(tmp_path: Path) -> None:
+    """Issue 19: a version this node cannot store is not silently dropped: the node pauses (the hub
+    hears why, with no reputation cost), and a version that loads later clears it."""
+    node = make_node(tmp_path, budget_MiB=256)
+    node._on_version_refused(7, "needs 3,000,000 bytes on disk, the disk cap leaves 1,000")
+    d = node.pauser.current
+    assert node.pauser.paused and d.code == "disk" and "version 7" in d.reason and "disk cap" in d.reason and d.relay
+    node.pauser.clear_block()  # what a version that loads does
+    assert not node.pauser.paused

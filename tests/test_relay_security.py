@@ -58,6 +58,8 @@ def test_a7_manifest_claiming_a_tebibyte_is_refused_and_the_node_stays_up(
                 node = sw.nodes[0]
                 pub = sw.publisher.latest
                 assert pub is not None
+                refused: list[tuple[int, str]] = []
+                node.on_refused = lambda v, why: refused.append((v, why))  # the node pauses with it (issue 19)
                 huge = _huge_manifest(5, pub.packed.manifest.model_config)
                 sw.sender.links[node.me].put(("manifest", 1, envelope.seal(sw.hub_id, huge, ttl_s=600)))
                 with trio.move_on_after(10):
@@ -65,6 +67,7 @@ def test_a7_manifest_claiming_a_tebibyte_is_refused_and_the_node_stays_up(
                         await trio.sleep(0.05)
                 assert node.bc is not None and node.bc.version == 1, "the 1 TiB version must not start"
                 assert "manifest v5 refused" in caplog.text
+                assert [v for v, _ in refused] == [5] and "1099511627776" in refused[0][1].replace(",", ""), refused
                 await sw.publish(6, _state(200_000, 6))  # still up, and still taking real versions
                 await sw.wait_holds(6, sw.nodes)
                 nursery.cancel_scope.cancel()
