@@ -15,6 +15,8 @@ import dataclasses
 import gc
 import logging
 import os
+import random
+import secrets
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -24,7 +26,7 @@ import trio
 
 from echo2.keyfile import load_or_create_identity
 from echo2.looplag import LoopLag
-from echo2.protocol import envelope
+from echo2.protocol import envelope, holdsproof
 from echo2.protocol.errors import Echo2Error, MeaningError, NotAdmitted
 from echo2.protocol.messages import (
     AdmissionDecision,
@@ -32,6 +34,8 @@ from echo2.protocol.messages import (
     Announce,
     ErrorReply,
     Heartbeat,
+    HoldsChallenge,
+    HoldsProof,
     HoldsVersion,
     NodePause,
     Receipt,
@@ -72,6 +76,9 @@ NODE_SILENCE_S = 3 * WORK_POLL_S + 15.0
 
 log = logging.getLogger(__name__)
 
+#: how long a node has to answer its holds challenge (a node answers from memory at once)
+HOLDS_PROOF_S = 60.0
+
 
 class Hub:
     def __init__(self, cfg: HubConfig) -> None:
@@ -100,6 +107,9 @@ class Hub:
         # A3: replay state per admitted signer; admission requests (strangers) get a small pool that evicts
         self.replay, self.gossip_replay = envelope.PeerReplay(), envelope.PeerReplay(window_s=300.0, per_peer=256)
         self.admission_replay = envelope.ReplayGuard(max_entries=10_000, evict=True)
+        # A5: the open challenge of each node that reported holding a version (one per node)
+        self.holds_pending: dict[str, tuple[HoldsChallenge, float]] = {}
+        self._holds_rng = random.SystemRandom()
         self._admission_bucket = KeyedRateLimiter(5.0, 20.0)  # per IP (A11)
         self.publisher = PolicyPublisher(self.identity, self.model_config, self.artifacts, cfg)
         info: Callable[[str], PeerInfo | None] = lambda peer: self.fleet.peer_info(peer)  # noqa: E731 (fleet comes later)
@@ -341,10 +351,34 @@ class Hub:
         return seal_receipt(self.identity, statement)
 
     async def on_holds(self, peer: str, data: bytes) -> bytes:
-        v = envelope.open_envelope(data, HoldsVersion, replay=self.replay, allowed=self._signed_by(peer)).message
+        """A node says it holds a version, or proves it (A5). A report is answered with a challenge
+        (:mod:`echo2.protocol.holdsproof`); only the right answer makes the node a holder of the
+        version, which is what the hub gives work on. A claim alone earns nothing."""
+        v = envelope.open_envelope(data, (HoldsVersion, HoldsProof), replay=self.replay,
+                                   allowed=self._signed_by(peer)).message
+        assert isinstance(v, HoldsVersion | HoldsProof)
+        if v.peer_id != peer:
+            raise MeaningError("holds message names another node")
         if v.version > self.publisher.latest_version:
             raise MeaningError(f"version {v.version} was never published by this hub")
         node = self.nodes[peer]
+        pub = self.publisher.recent.get(v.version)
+        if pub is None or not pub.has_data:  # its bytes are gone: rows made with it could not be verified
+            self.holds_pending.pop(peer, None)
+            return envelope.seal(self.identity, ErrorReply(code="ok", message=f"version {v.version} is too old to work on"))
+        if isinstance(v, HoldsVersion):
+            index, offset, length = holdsproof.choose(pub.packed.manifest, self._holds_rng)
+            ch = HoldsChallenge(peer_id=peer, version=v.version, nonce=secrets.token_bytes(16), index=index,
+                                offset=offset, length=length)
+            self.holds_pending[peer] = (ch, time.time() + HOLDS_PROOF_S)
+            return envelope.seal(self.identity, ch)
+        ch, until = self.holds_pending.pop(peer, (None, 0.0))
+        if ch is None or ch.nonce != v.nonce or ch.version != v.version or time.time() > until:
+            raise MeaningError("no open challenge for this proof (answer the latest one, within "
+                               f"{HOLDS_PROOF_S:.0f} s)")
+        if v.digest != holdsproof.answer(ch.nonce, pub.packed.raw_chunks[ch.index], ch.offset, ch.length):
+            self.fleet.punish(peer, Event.MISMATCH, f"wrong proof of holding version {ch.version}")
+            raise MeaningError(f"wrong proof of holding version {ch.version}: no work on it")
         node.held_version = max(node.held_version, v.version)
         self.publisher.record_holds(peer, v.version)
         self._pump()
@@ -377,6 +411,7 @@ class Hub:
             if expired:
                 self.outbox.feed()
             for peer in self.fleet.drop_silent(now, self.cfg.node_silence_s or NODE_SILENCE_S):
+                self.holds_pending.pop(peer, None)
                 for tid in self.intake.node_left(peer):
                     self.store.submit(HubStore.close_task, tid, "reassigned", now)
                 self._pump()

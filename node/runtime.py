@@ -24,7 +24,7 @@ from echo2.looplag import LoopLag
 from echo2.models import statedict
 from echo2.models.engine_api import is_out_of_memory
 from echo2.models.offline import model_hub_offline
-from echo2.protocol import envelope
+from echo2.protocol import envelope, holdsproof
 from echo2.protocol.backoff import Backoff
 from echo2.protocol.errors import Echo2Error, TransportError
 from echo2.protocol.framing import RemoteError
@@ -32,6 +32,9 @@ from echo2.protocol.messages import (
     AdmissionDecision,
     AdmissionRequest,
     Announce,
+    ErrorReply,
+    HoldsChallenge,
+    HoldsProof,
     HoldsVersion,
     RelayReport,
     Task,
@@ -441,6 +444,27 @@ class Node(TaskLoop):
         log.info("model fits: %.1f M parameters (%s) in a memory budget of %s", fp.params / 1e6, dtype, self._budget())
         return fp
 
+    async def _report_holds(self, host: ControlHost, holds: HoldsVersion) -> None:
+        """Report holding a version and answer the hub's challenge (A5): the hub gives work on a
+        version only to a node that proved it holds its bytes."""
+        reply = await host.request(self.hub_peer, HOLDS, envelope.seal(self.identity, holds), max_response=MAX_CONTROL_REQUEST,
+                                   timeout_s=10)
+        ch = envelope.open_envelope(reply, (HoldsChallenge, ErrorReply), replay=self.replay, allowed=self._hub_only).message
+        if isinstance(ch, ErrorReply):
+            if ch.code != "ok" or ch.message != "noted":
+                log.info("hub on our holds report for v%d: %s", holds.version, ch.message)
+            return
+        assert isinstance(ch, HoldsChallenge)
+        held = self.held
+        if ch.peer_id != self.peer_id or held is None or held.version != ch.version:
+            log.info("holds challenge for v%d not answered: we hold %s", ch.version, held.version if held else "nothing")
+            return
+        holdsproof.check(ch, held.manifest)
+        proof = HoldsProof(peer_id=self.peer_id, version=ch.version, nonce=ch.nonce,
+                           digest=holdsproof.answer(ch.nonce, held.raw_chunks[ch.index], ch.offset, ch.length))
+        await host.request(self.hub_peer, HOLDS, envelope.seal(self.identity, proof), max_response=MAX_CONTROL_REQUEST,
+                           timeout_s=10)
+
     # --- control loops ---------------------------------------------------------------------------
     async def _heartbeat(self, host: ControlHost) -> None:
         last_announce = 0.0
@@ -448,9 +472,7 @@ class Node(TaskLoop):
             holds = getattr(self, "_pending_holds", None)
             if holds is not None:
                 try:
-                    await host.request(
-                        self.hub_peer, HOLDS, envelope.seal(self.identity, holds), max_response=MAX_CONTROL_REQUEST, timeout_s=10
-                    )
+                    await self._report_holds(host, holds)
                     self._pending_holds = None
                 except RemoteError as exc:
                     if exc.code not in _TRANSIENT_CODES:

@@ -392,6 +392,46 @@ class HoldsVersion(Message):
 
 
 @dataclass(frozen=True)
+class HoldsChallenge(Message):
+    """The hub's answer to ``HoldsVersion`` (A5): prove it. The node answers with a
+    :class:`HoldsProof` of ``blake3(nonce || bytes [offset, offset + length) of raw chunk index)``
+    (:mod:`echo2.protocol.holdsproof`); until then the claim earns no work."""
+
+    TYPE: ClassVar[str] = "holds_challenge"
+    MAX_SIZE: ClassVar[int] = 4 * KiB
+    SPEC: ClassVar[dict[str, Spec]] = {
+        "peer_id": _PEER,
+        "version": _VERSION,
+        "nonce": Bytes(size=16),
+        "index": _U64,
+        "offset": _U64,
+        "length": Int(1, 1 << 20),
+    }
+    peer_id: str
+    version: int
+    nonce: bytes
+    index: int
+    offset: int
+    length: int
+
+
+@dataclass(frozen=True)
+class HoldsProof(Message):
+    TYPE: ClassVar[str] = "holds_proof"
+    MAX_SIZE: ClassVar[int] = 4 * KiB
+    SPEC: ClassVar[dict[str, Spec]] = {
+        "peer_id": _PEER,
+        "version": _VERSION,
+        "nonce": Bytes(size=16),
+        "digest": _HASH,
+    }
+    peer_id: str
+    version: int
+    nonce: bytes
+    digest: bytes
+
+
+@dataclass(frozen=True)
 class RelayReport(Message):
     """A node's report that a peer relayed it a chunk that does not match the hub-signed manifest.
 
@@ -556,6 +596,8 @@ MESSAGE_TYPES: dict[str, type[Message]] = {
         ChunkHave,
         ChunkRequest,
         HoldsVersion,
+        HoldsChallenge,
+        HoldsProof,
         RelayReport,
         ErrorReply,
         ProbeReply,

@@ -52,10 +52,13 @@ def corpus() -> list[bytes]:
         messages.ChunkHave(PEER, 3, b"\xf0\x01"),
         messages.ChunkRequest(3, [0, 5, 9]),
         messages.HoldsVersion(PEER, 3, 1.0),
+        messages.HoldsChallenge(PEER, 3, b"\x05" * 16, 2, 4096, 65536),
+        messages.HoldsProof(PEER, 3, b"\x05" * 16, b"\x06" * 32),
         messages.RelayReport(PEER, IDENTITIES[1].peer_id, 3, 7, b"\x03" * 32, b"\x04" * 32),
         messages.ErrorReply("schema", "bad"),
         messages.ProbeReply(PEER, b"\x02" * 16, NOW, True, "dialled back", "127.0.0.1:9"),
         messages.Receipt(PEER, IDENTITIES[1].peer_id, ["t-1"], 1, 4, 32, 100_000, NOW, 1, 4, 32, 7),
+        messages.Receipt(PEER, IDENTITIES[1].peer_id, [], 0, 0, 0, 100_000, NOW, 1, 4, 32, 9),  # a statement
         messages.NodePause(PEER, True, "hours", "outside the allowed hours", NOW),
     ]
     assert {type(m) for m in msgs} == set(ALL_TYPES)

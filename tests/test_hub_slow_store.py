@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import trio
+from hubkit import hold
 from test_hub_results import admit
 
 from echo2.learner_hub.config import HubConfig
@@ -19,7 +20,7 @@ from echo2.learner_hub.store import HubStore
 from echo2.models.engine import TransformersEngine
 from echo2.protocol import envelope
 from echo2.protocol.identity import Identity
-from echo2.protocol.messages import ErrorReply, Heartbeat, HoldsVersion, Result, Task, task_hash
+from echo2.protocol.messages import ErrorReply, Heartbeat, Result, Task, task_hash
 from echo2.protocol.wire import WORK_POLL_S
 
 SQL_DELAY_S = 0.1
@@ -58,8 +59,7 @@ def test_slow_sqlite_never_blocks_the_loop(tmp_path: Path) -> None:
 
     async def run_node() -> None:
         nonlocal seq
-        holds = HoldsVersion(peer_id=node.peer_id, version=0, seconds=0.1)
-        await hub.on_holds(node.peer_id, envelope.seal(node, holds))
+        await hold(hub, node, 0)
         while hub.learner.version < cfg.steps:
             seq += 1
             hb = Heartbeat(peer_id=node.peer_id, seq=seq, versions_held=[0], busy_tasks=0, queue_free=1)

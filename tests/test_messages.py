@@ -85,6 +85,9 @@ def _fix_cross_fields(cls: type[Record], kw: dict[str, Any]) -> dict[str, Any]:
             kw["parent_raw_hash"] = b"\x07" * 32
         if kw["encoding"] == "full":
             kw["parent_raw_hash"] = None
+    if cls is messages.Receipt:
+        if not kw["task_ids"] or kw["results"] == 0:  # a statement: no tasks, no results
+            kw["task_ids"], kw["results"], kw["rollouts"], kw["tokens"] = [], 0, 0, 0
     return kw
 
 
@@ -192,7 +195,7 @@ def test_registry() -> None:
     expected = {
         "announce", "heartbeat", "admission_request", "admission_decision", "task", "result",
         "task_decline", "manifest", "broadcast_plan", "chunk_have", "chunk_request",
-        "holds_version", "relay_report", "error", "probe_reply", "receipt", "node_pause",
+        "holds_version", "holds_challenge", "holds_proof", "relay_report", "error", "probe_reply", "receipt", "node_pause",
     }  # fmt: skip
     assert set(MESSAGE_TYPES) == expected
     domains = set()

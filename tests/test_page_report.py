@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import trio
+from hubkit import hold
 from test_hub_results import admit
 
 from echo2.learner_hub.config import HubConfig
@@ -23,7 +24,7 @@ from echo2.models.engine import TransformersEngine
 from echo2.protocol import envelope
 from echo2.protocol.errors import WrongDomain
 from echo2.protocol.identity import Identity
-from echo2.protocol.messages import ErrorReply, Heartbeat, HoldsVersion, Receipt, Result, Task, task_hash
+from echo2.protocol.messages import ErrorReply, Heartbeat, Receipt, Result, Task, task_hash
 
 
 def test_series_stays_bounded_and_covers_the_whole_run() -> None:
@@ -79,7 +80,7 @@ def _short_run(tmp_path: Path, steps: int) -> tuple[Hub, list[int]]:
     tokens: list[int] = []
 
     async def run_node() -> None:
-        await hub.on_holds(node.peer_id, envelope.seal(node, HoldsVersion(peer_id=node.peer_id, version=0, seconds=0.1)))
+        await hold(hub, node, 0)
         seq = 0
         while hub.learner.version < cfg.steps:
             seq += 1

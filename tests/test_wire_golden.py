@@ -96,6 +96,8 @@ def golden() -> dict[str, Any]:
         "probe_reply": m.ProbeReply(P[0], b"\x02" * 16, NOW, True, "dialled back", "127.0.0.1:9"),
         "receipt": m.Receipt(P[2], P[0], ["t-1", "é" * 64], 2, 2**32, 65536, 100_000, NOW, 1, 127, 128, 2**63 - 1),
         "node_pause": m.NodePause(P[0], True, "hours", "outside the allowed hours 22-7 ☃", NOW),
+        "holds_challenge": m.HoldsChallenge(P[1], 2**63 - 1, bytes(range(16)), 65535, 2**32, 1 << 20),
+        "holds_proof": m.HoldsProof(P[1], 0, b"\xff" * 16, bytes(range(32))),
     }
 
 
@@ -118,6 +120,8 @@ GOLDEN = {
     "probe_reply": ("0aab14b50bd3bd3da67735b49258838d0bc6bfbfd9536092f00a8e51349347d7", 172),
     "receipt": ("d496f208018f1ee086c5ef0fabf83add691e75e4ab2fc961c172cacafbf1ac0b", 425),  # issue 19, captured at its introduction
     "node_pause": ("72e56a84268e629aeaafcafc3c7d5af51be93fc0400abb730495afa33d385ea2", 151),  # added with it (issue 19)
+    "holds_challenge": ("5be873ede04c662ba7be253f6b7440092caa752f6d33cb76d6dd85f10aa2bb2b", 141),  # A5, at its introduction
+    "holds_proof": ("65bc8379327d961e9815801c2914a4388152b9f8f8b9ef2d798377d1479fbe0a", 137),  # A5, at its introduction
     "envelope_task": ("c9d96e50a4a2c08e4ce8dd9ccbbfb2a45915795bf0a3a9f3fa48f5872c652470", 444),
 }
 TASK_HASH = "626ea549864dad821f852ac36672287330583dfde51fab7c64cd3017492196e3"
