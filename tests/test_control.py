@@ -424,3 +424,30 @@ def test_bootstrap_reconnects_with_backoff() -> None:
         assert events.count(("down", hub_id.peer_id)) >= 2
 
     run(main, 30)
+
+
+def test_request_by_id_after_the_peerstore_expired_the_peers_addresses() -> None:
+    """A node knows its hub by peer ID once connected; after the hub was gone a while, py-libp2p's
+    peerstore raises "peer ID is expired" for it. That exception killed a node in `bench crash`:
+    now the addresses last dialled are used, and the request goes through."""
+
+    async def main() -> None:
+        async with (
+            ControlHost(Identity.generate(), gossip=False) as server,
+            ControlHost(Identity.generate(), gossip=False, dial_timeout_s=5.0) as client,
+        ):
+            server.set_handler(ECHO, lambda _p, r: _echo(r), max_request=64)
+            assert await client.request(server.addrs[0], ECHO, b"a", max_response=64) == b"a"
+            await client.disconnect(server.peer_id)
+            with trio.fail_after(5):
+                while client.is_connected(server.peer_id):
+                    await trio.sleep(0.05)
+            store = client._require_host().get_peerstore()
+            pid = next(p for p in store.peer_ids() if str(p) == server.peer_id)
+            data = store.peer_data_map[pid]
+            data.set_ttl(1)
+            data.last_identified -= 3600  # what an hour without a word does to a peer's entry
+            assert store.peer_data_map[pid].is_expired()
+            assert await client.request(server.peer_id, ECHO, b"b", max_response=64, timeout_s=10) == b"b"
+
+    run(main)

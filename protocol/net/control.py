@@ -83,6 +83,8 @@ __all__ = ["ANNOUNCE_TOPIC", "ControlHost", "RequestLimits", "address_key", "rem
 logger = logging.getLogger(__name__)
 
 ANNOUNCE_TOPIC = "echo2/announce/1"
+#: peers whose dialled addresses are remembered (the hub dials back admitted nodes, a node its hub)
+MAX_DIALLED = 16_384
 
 PeerCallback = Callable[[str], None]
 
@@ -232,6 +234,7 @@ class ControlHost(RequestResponse, Gossip):
         self._nursery: trio.Nursery | None = None
         self._stack: contextlib.AsyncExitStack | None = None
         self._bootstrap: list[str] = []
+        self.dialled_addrs: dict[str, list[Any]] = {}  # peer -> the addresses we last dialled it at
         self._subscriptions: dict[str, Any] = {}
         self._handlers: dict[str, Callable[[INetStream], Awaitable[None]]] = {}
         self._on_connect: list[PeerCallback] = []
@@ -434,6 +437,11 @@ class ControlHost(RequestResponse, Gossip):
         unblock = getattr(host.get_network(), "unblock_peer", None)
         if unblock is not None:
             unblock(info.peer_id)
+        if info.addrs:  # for a later dial by ID after the peerstore forgot them (see _addrs_of)
+            self.dialled_addrs.pop(peer, None)
+            self.dialled_addrs[peer] = list(info.addrs)
+            while len(self.dialled_addrs) > MAX_DIALLED:
+                del self.dialled_addrs[next(iter(self.dialled_addrs))]
         try:
             with trio.fail_after(self.dial_timeout_s):
                 await host.connect(info)

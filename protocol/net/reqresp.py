@@ -28,7 +28,7 @@ import contextvars
 import logging
 import secrets
 from collections.abc import Awaitable, Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import trio
 from libp2p.abc import IHost, INetStream
@@ -394,6 +394,18 @@ class RequestResponse:
         finally:
             charge.release()
 
+    def _addrs_of(self, peer_id: Any) -> list[Any]:
+        """Where to dial a peer known by its ID: the peerstore's addresses, else those we last
+        dialled it at. py-libp2p's peerstore raises once a peer's addresses expire ("peer ID is
+        expired", seen after a hub was down for a while): that killed a node in `bench crash`."""
+        host = self._require_host()
+        try:
+            addrs = list(host.get_peerstore().addrs(peer_id)) if peer_id in host.get_peerstore().peer_ids() else []
+        except Exception as exc:
+            logger.debug("peerstore has no addresses for %s: %r", peer_str(peer_id), exc)
+            addrs = []
+        return addrs or list(getattr(self, "dialled_addrs", {}).get(peer_str(peer_id), []))
+
     async def _open_stream(self, peer: str, protocol_ids: list[str], deadline: float) -> INetStream:
         host = self._require_host()
         if peer.startswith("/"):
@@ -404,10 +416,7 @@ class RequestResponse:
         else:
             peer_id = parse_peer_id(peer)
             if not self.is_connected(peer):
-                addrs = (
-                    host.get_peerstore().addrs(peer_id) if peer_id in host.get_peerstore().peer_ids() else []
-                )
-                await self._dial(PeerInfo(peer_id, addrs))
+                await self._dial(PeerInfo(peer_id, self._addrs_of(peer_id)))
         try:
             with trio.fail_at(min(deadline, trio.current_time() + self.dial_timeout_s)):
                 return await host.new_stream(peer_id, [TProtocol(p) for p in protocol_ids])
