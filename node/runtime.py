@@ -26,7 +26,7 @@ from echo2.models.engine_api import is_out_of_memory
 from echo2.models.offline import model_hub_offline
 from echo2.protocol import envelope, holdsproof
 from echo2.protocol.backoff import Backoff
-from echo2.protocol.errors import Echo2Error, TransportError
+from echo2.protocol.errors import Echo2Error, MeaningError, TransportError
 from echo2.protocol.framing import RemoteError
 from echo2.protocol.messages import (
     AdmissionDecision,
@@ -36,6 +36,7 @@ from echo2.protocol.messages import (
     HoldsChallenge,
     HoldsProof,
     HoldsVersion,
+    Manifest,
     RelayReport,
     Task,
 )
@@ -455,15 +456,30 @@ class Node(TaskLoop):
                 log.info("hub on our holds report for v%d: %s", holds.version, ch.message)
             return
         assert isinstance(ch, HoldsChallenge)
+        if ch.peer_id != self.peer_id:
+            raise MeaningError("holds challenge names another node")
         held = self.held
-        if ch.peer_id != self.peer_id or held is None or held.version != ch.version:
-            log.info("holds challenge for v%d not answered: we hold %s", ch.version, held.version if held else "nothing")
+        if held is not None and held.version == ch.version:
+            holdsproof.check(ch, held.manifest)
+            raw: bytes | None = held.raw_chunks[ch.index]
+        else:  # a newer version loaded since the report (fast steps): its predecessor is in the store
+            raw = await trio.to_thread.run_sync(self._stored_chunk, ch)
+        if raw is None:
+            log.info("holds challenge for v%d not answered: its bytes are gone", ch.version)
             return
-        holdsproof.check(ch, held.manifest)
         proof = HoldsProof(peer_id=self.peer_id, version=ch.version, nonce=ch.nonce,
-                           digest=holdsproof.answer(ch.nonce, held.raw_chunks[ch.index], ch.offset, ch.length))
+                           digest=holdsproof.answer(ch.nonce, raw, ch.offset, ch.length))
         await host.request(self.hub_peer, HOLDS, envelope.seal(self.identity, proof), max_response=MAX_CONTROL_REQUEST,
                            timeout_s=10)
+
+    def _stored_chunk(self, ch: HoldsChallenge) -> bytes | None:
+        """The raw chunk a challenge names, from the chunk store (blocking: file reads)."""
+        env = self.store.manifest_envelope(ch.version)
+        if env is None:
+            return None
+        m = envelope.open_envelope(env, Manifest, replay=None, allowed=self._hub_only, now=envelope.signed_at(env)).message
+        holdsproof.check(ch, m)
+        return self.store.get_or_none(m.chunks[ch.index].raw_hash)
 
     # --- control loops ---------------------------------------------------------------------------
     async def _heartbeat(self, host: ControlHost) -> None:
@@ -473,12 +489,14 @@ class Node(TaskLoop):
             if holds is not None:
                 try:
                     await self._report_holds(host, holds)
-                    self._pending_holds = None
+                    if self._pending_holds is holds:  # a newer version loaded meanwhile is still to report
+                        self._pending_holds = None
                 except RemoteError as exc:
                     if exc.code not in _TRANSIENT_CODES:
                         # e.g. a version this hub never published: ours is from before its restart
                         log.info("hub refused our holds report for v%d: %s", holds.version, exc)
-                        self._pending_holds = None
+                        if self._pending_holds is holds:
+                            self._pending_holds = None
                     else:
                         log.debug("holds report deferred: %s", exc)
                 except Echo2Error as exc:
