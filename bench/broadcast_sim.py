@@ -73,10 +73,13 @@ def simulate(
     stripes: int | None = None,
     fanout: int | None = None,
     window: int = 2,
+    wire_overhead: float = 1.0,
+    per_chunk_s: float = 0.0,
 ) -> SimResult:
     """Simulate broadcasting ``mbytes`` MB to ``n_nodes`` nodes; ``mode`` is ``star`` or
     ``pipelined``. ``upload_MBps``/``reachable`` give per-node values (default: all ``link_MBps``,
-    all reachable); the hub uploads at ``hub_MBps`` (default ``link_MBps``)."""
+    all reachable); the hub uploads at ``hub_MBps`` (default ``link_MBps``). ``wire_overhead`` and
+    ``per_chunk_s``: what a chunk costs its sender's link beyond its payload (``sim_engine``)."""
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}")
     if n_nodes < 1 or mbytes <= 0 or link_MBps <= 0 or (chunk_bytes is not None and chunk_bytes <= 0):
@@ -99,7 +102,8 @@ def simulate(
     else:
         plan = plan_broadcast(0, hub_bps, infos, k, stripes=stripes, fanout=fanout)
     engine = Engine(plan, sizes, up_bps, names, download_bps=download_MBps * MB if download_MBps else None,
-                    latency_s=latency_s, verify_bps=verify_MBps * MB, window=window)
+                    latency_s=latency_s, verify_bps=verify_MBps * MB, window=window,
+                    wire_overhead=wire_overhead, per_chunk_s=per_chunk_s)
     done_at = engine.run()
     sent_by = engine.sent_by
     times = sorted(done_at[n] for n in names)

@@ -124,6 +124,8 @@ def simulate_wan(
     window: int = 2,
     stall_timeout_s: float = 1.0,
     tick_s: float = 0.25,
+    wire_overhead: float = 1.0,
+    per_chunk_s: float = 0.0,
 ) -> WanResult:
     if n_nodes < 1 or mbytes <= 0 or hub_MBps <= 0 or rate_lo <= 0 or rate_hi < rate_lo:
         raise ValueError("need n_nodes >= 1 and positive sizes and rates (rate_lo <= rate_hi)")
@@ -155,7 +157,8 @@ def simulate_wan(
     punch_failures, _ = wan.fix_edges(plan, present)
     depth = plan.max_depth()
     engine = Engine(plan, sizes, up_bps, sorted(present), latency_s=latency_s, verify_bps=verify_MBps * MB,
-                    window=window, links=wan, stall_timeout_s=stall_timeout_s, tick_s=tick_s)
+                    window=window, links=wan, stall_timeout_s=stall_timeout_s, tick_s=tick_s,
+                    wire_overhead=wire_overhead, per_chunk_s=per_chunk_s)
     done_at = engine.run(events)
     punch_failures += engine.repair_moves
     sent_by = engine.sent_by
