@@ -16,14 +16,12 @@ import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from echo2.bench.sim_engine import MB, Engine, chunk_sizes
+from echo2.bench.sim_engine import DEFAULT_LATENCY_S, DEFAULT_VERIFY_MBPS, MB, Engine, chunk_sizes
 from echo2.learner_hub.planner import HUB, NodeInfo, Plan, plan_broadcast, star_plan
 from echo2.protocol.chunking import choose_chunk_size
 
 # the chunk size before issue 18 (now: protocol.chunking.choose_chunk_size, as the publisher)
 LEGACY_CHUNK_BYTES = 4 * 1024 * 1024
-DEFAULT_LATENCY_S = 0.002
-DEFAULT_VERIFY_MBPS = 1000.0
 MODES = ("star", "pipelined")
 
 

@@ -44,6 +44,8 @@ from echo2.protocol.chunking import choose_chunk_size
 from echo2.protocol.relay import Complete, Relay, Request, Send, bitmap_from_indices
 
 MB = 1_000_000
+DEFAULT_LATENCY_S = 0.002  # per hop: request/ack round trip and framing
+DEFAULT_VERIFY_MBPS = 1000.0  # sha256 on one core here: about 950 MB/s (BRIEF section 9)
 # tbf shapes whole Ethernet frames: 1514 bytes on the wire carry 1448 of TCP payload (MTU 1500,
 # TCP timestamps); the simulator at this overhead matched a real netns run within 3% at N = 1
 TBF_WIRE_OVERHEAD = 1514 / 1448

@@ -37,7 +37,7 @@ import statistics
 import zlib
 from dataclasses import dataclass
 
-from echo2.bench.sim_engine import MB, Engine, chunk_sizes
+from echo2.bench.sim_engine import DEFAULT_LATENCY_S, DEFAULT_VERIFY_MBPS, MB, Engine, chunk_sizes
 from echo2.learner_hub.planner import HUB, NodeInfo, Plan, _attach, _subtree, plan_broadcast
 
 
@@ -119,8 +119,8 @@ def simulate_wan(
     nat_relay: bool = False,
     seed: int = 0,
     chunk_bytes: int | None = None,
-    latency_s: float = 0.002,
-    verify_MBps: float = 1000.0,
+    latency_s: float = DEFAULT_LATENCY_S,
+    verify_MBps: float = DEFAULT_VERIFY_MBPS,
     window: int = 2,
     stall_timeout_s: float = 1.0,
     tick_s: float = 0.25,
