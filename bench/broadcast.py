@@ -247,6 +247,7 @@ def run_real(args: argparse.Namespace) -> list[dict[str, object]]:
 
 def run_wan(args: argparse.Namespace) -> list[dict[str, object]]:
     """Pipelined broadcast on a simulated wide area; the ratio against the fluid bound too."""
+    from echo2.bench.sim_engine import DEFAULT_LATENCY_S
     from echo2.bench.wan_sim import simulate_wan
 
     lo, hi = args.rates or (args.link_MBps, args.link_MBps)
@@ -256,7 +257,7 @@ def run_wan(args: argparse.Namespace) -> list[dict[str, object]]:
         r = simulate_wan(n, args.mbytes, hub_MBps=hub, rate_lo=lo, rate_hi=hi, nat_share=args.nat_share,
                          punch_p=args.punch_p, churn=args.churn, nat_relay=args.nat_relay, seed=args.seed,
                          chunk_bytes=args.chunk_bytes,
-                         latency_s=0.002 if args.latency_ms is None else args.latency_ms / 1000.0)
+                         latency_s=DEFAULT_LATENCY_S if args.latency_ms is None else args.latency_ms / 1000.0)
         rows.append({
             "mode": "pipelined", "nodes": n, "seconds": r.seconds, "median_seconds": r.median_seconds,
             "first_seconds": r.first_seconds, "ideal_seconds": r.hub_floor_seconds, "ratio": r.ratio_hub,

@@ -83,3 +83,14 @@ def test_cli_wide_area(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> No
     assert "fluid bound" in capsys.readouterr().out
     with pytest.raises(SystemExit):
         broadcast.run(p.parse_args(["--nat-share", "0.5"]))  # wide area is simulated only
+
+
+@pytest.mark.parametrize(("n", "hub"), [(1, 10.0), (50, 25.0)])
+def test_no_nat_no_churn_is_the_broadcast_simulator(n: int, hub: float) -> None:
+    # one engine (bench/sim_engine.py): with equal uploads, no NATed share and no churn the
+    # wide-area simulator runs exactly what the broadcast simulator runs
+    wan = simulate_wan(n, 8, hub_MBps=hub, rate_lo=10, rate_hi=10, nat_share=0.0, churn=0.0)
+    lan = simulate("pipelined", n, 8, 10, hub_MBps=hub)
+    assert (wan.seconds, wan.median_seconds, wan.first_seconds) == (lan.seconds, lan.median_seconds, lan.first_seconds)
+    assert (wan.hub_sent_bytes, wan.peer_sent_bytes) == (lan.hub_sent_bytes, lan.peer_sent_bytes)
+    assert wan.nat_sent_bytes == wan.punch_failures == wan.left == wan.joined == 0
