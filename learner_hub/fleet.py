@@ -66,6 +66,10 @@ class NodeInfo:
             seen = self.__dict__.get("_seen")
             if seen is not None:
                 seen.heard(self.peer_id, value)
+        elif name == "tokens":  # the status page's per-node rates sample only the nodes that changed
+            tok = self.__dict__.get("_tok")
+            if tok is not None:
+                tok.add(self.peer_id)
 
 
 class SilenceOrder:
@@ -138,6 +142,7 @@ class Fleet:
         # left) since the outbox last applied it to the dispatcher
         self.eligibility_changed: set[str] = set()
         self.silence = SilenceOrder()
+        self.tokens_changed: set[str] = set()  # nodes whose token count changed since curves sampled it
         self._claim_changed: set[str] = set()  # announced claims since the last tick
         self._admitted: dict[str, int] = {}  # peer -> admission number (the order of self.nodes)
         self._admission_seq = itertools.count()
@@ -184,6 +189,8 @@ class Fleet:
             node = self.nodes[peer] = NodeInfo(peer, announce, now, now)
             node.__dict__["_watch"] = self.eligibility_changed
             node.__dict__["_seen"] = self.silence
+            node.__dict__["_tok"] = self.tokens_changed
+            self.tokens_changed.add(peer)  # sampled from its first count (0), as it joined
             self.silence.heard(peer, now)
             self._admitted[peer] = next(self._admission_seq)
             log.info("admitted node %s (%s, price %.3f $/h)", peer, announce.cpu_model or "?", announce.price_usd_per_hour)
