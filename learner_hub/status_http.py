@@ -163,12 +163,16 @@ def hub_metrics(status: Mapping[str, Any]) -> list[Metric]:
     if stale is not None:
         ms.append(Metric("echo2_results_stale_dropped_total", "counter", "Results dropped as too stale.", [({}, stale)]))
     nodes = status.get("nodes")
-    if isinstance(nodes, list):
+    counted = status.get("node_states")  # a snapshot's count by state (it keeps only the first nodes)
+    if isinstance(nodes, list) or isinstance(counted, Mapping):
         states: dict[str, int] = {}
-        for n in nodes:
-            if isinstance(n, dict):
-                s = str(n.get("state", "active"))
-                states[s] = states.get(s, 0) + 1
+        if isinstance(counted, Mapping):
+            states = {str(k): int(v) for k, v in counted.items() if _num(v) is not None}
+        elif isinstance(nodes, list):
+            for n in nodes:
+                if isinstance(n, dict):
+                    s = str(n.get("state", "active"))
+                    states[s] = states.get(s, 0) + 1
         ms.append(Metric("echo2_nodes", "gauge", "Known nodes by state.", [({"state": s}, float(c)) for s, c in sorted(states.items())]))
         active = states.get("active", 0)
         ms.append(gauge("echo2_nodes_active", "Nodes currently active.", active))
@@ -287,11 +291,13 @@ def render_tables(status: Mapping[str, Any]) -> str:
         versions = []
     ev = status.get("eval")
     evals = ev.get("history", []) if isinstance(ev, Mapping) else []
+    # a snapshot keeps only the first nodes, and says how many there are
+    count = int(nc) if (nc := _num(status.get("node_count"))) is not None else len(nodes)
     eval_rows = [{k: e.get(k) for k in ("step", "wall_s", "accuracy", "mean_reward", "n", "excluded")}
                  for e in (evals if isinstance(evals, list) else [])[-20:] if isinstance(e, Mapping)]
     return f"""<div id="tables">
 {_summary(status)}
-<h2>Fleet ({len(nodes)} nodes)</h2>
+<h2>Fleet ({count} nodes)</h2>
 <p>tokens/s over the last 1 and 5 minutes; versions behind: the newest version minus the one it holds;
 staleness: mean over its trained rows of the learner's version before the step minus the row's</p>
 {_table(node_rows)}

@@ -15,7 +15,7 @@ from hubkit import small_hub_cfg
 from test_hub_results import admit
 
 from echo2.learner_hub.hub import Hub
-from echo2.learner_hub.status_http import StatusServer
+from echo2.learner_hub.status_http import StatusServer, hub_metrics, render_metrics, render_tables
 from echo2.protocol.identity import Identity
 
 
@@ -82,3 +82,13 @@ def _admission(node: Identity) -> bytes:
     from echo2.protocol.messages import AdmissionRequest
 
     return envelope.seal(node, AdmissionRequest(peer_id=node.peer_id, join_token="", announce=announce(node.peer_id)))
+
+
+def test_page_and_metrics_of_a_snapshot_with_the_first_nodes_only() -> None:
+    """A snapshot keeps the nodes the page shows and the count by state: the page and /metrics
+    report the whole fleet from those."""
+    shown = [{"peer_id": f"n{i}", "state": "active"} for i in range(200)]
+    snap = {"nodes": shown, "node_count": 10_000, "node_states": {"active": 9_000, "standby": 1_000}}
+    assert "Fleet (10000 nodes)" in render_tables(snap)
+    text = render_metrics(hub_metrics(snap))
+    assert "echo2_nodes_active 9000" in text and 'echo2_nodes{state="standby"} 1000' in text
