@@ -142,6 +142,9 @@ class NodeRates:
         self.sample_s = sample_s
         self.window_s = window_s
         self.times: deque[float] = deque()  # the samples' times, oldest first
+        # the same as a tuple, replaced (never changed) at each sample: the status writer's thread
+        # reads it while the loop may be taking a sample
+        self.times_now: tuple[float, ...] = ()
         self.per_peer: dict[str, deque[tuple[float, int]]] = {}  # (sample time, tokens) when it changed
         self._order: deque[tuple[float, str]] = deque()
         self.version = 0  # bumped when a sample is taken: the curves' encoding is then stale
@@ -180,6 +183,7 @@ class NodeRates:
                 else:
                     requeue.append((now, p))
         self._order.extend(requeue)
+        self.times_now = tuple(self.times)
         self.version += 1
         return True
 
@@ -195,7 +199,7 @@ class NodeRates:
         dq = self.per_peer.get(peer)
         if not dq:
             return None
-        times = self.times
+        times = self.times_now
         i = bisect.bisect_left(times, now - over_s)
         if i >= len(times) or times[i] >= now:
             return None
@@ -213,7 +217,7 @@ class NodeRates:
         with the most tokens in the window: a chart of a 10,000-node fleet's every line would be
         unreadable. Reads snapshots of the structures (one C call each under the GIL), so the
         status writer's thread may call it while the loop adds samples."""
-        times = list(self.times)
+        times = list(self.times_now)
         if not times:
             return {"wall_s": [], "series": {}}
         first, last = times[0], times[-1]
