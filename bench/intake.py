@@ -18,7 +18,14 @@ issue) is not in these figures. Per fleet size it reports, as medians over the m
   for as long (``idle_loop_gap_max_ms``: what the machine's scheduler alone costs), and the
   loop thread's CPU for the whole write (``write_loop_cpu_ms``) and the longest single
   ``json.dumps`` in the writer's thread, which holds the GIL (``write_longest_stretch_cpu_ms``);
-* ``housekeeping``: one pass of the hub's once-a-second duties (expiry, liveness, fleet tick).
+* ``housekeeping``: one pass of the hub's once-a-second duties (expiry, liveness, fleet tick);
+* ``admission``: :meth:`Hub.on_admission` of one more node into a fleet of N (signed request,
+  admission policy, store look-ups, activation): loop CPU and wall time;
+* ``http_status``: ``GET /status.json`` from the hub's real status server (what ``echo2 hub
+  serve`` runs, answering from the last status written), fetched by a client thread: the loop
+  thread's CPU across the request and the longest a 1 ms ticker on the loop was kept waiting;
+  ``build_loop_cpu_ms`` under ``status`` is what the same request cost when it built the status
+  on the loop.
 
 Set-up shortcuts, each stated in the JSON: nodes are admitted through :meth:`Hub.on_admission`
 (signed requests), then marked hub-timed (as if each had returned one task: a fleet of untimed
@@ -227,6 +234,17 @@ async def measure(hub: Any, n_nodes: int, n_results: int, n_holds: int, n_status
         idle.append(max(gaps) if gaps else 0.0)
     status_bytes = (workdir / "status.json").stat().st_size
 
+    http = await _measure_http(hub, n_status)
+    admission = []
+    for _ in range(20):
+        extra = Identity.generate()
+        req = AdmissionRequest(peer_id=extra.peer_id, join_token="", announce=announce(extra.peer_id))
+        msg = envelope.seal(extra, req)
+        with _Cpu() as c:
+            await hub.on_admission(extra.peer_id, msg)
+        admission.append((c.loop_ms, c.wall_ms))
+    assert len(hub.nodes) == n_nodes + 20, "every extra node is admitted"
+
     house = []
     for _ in range(5):
         now = time.time()
@@ -247,10 +265,46 @@ async def measure(hub: Any, n_nodes: int, n_results: int, n_holds: int, n_status
         "holds": {"loop_cpu_ms": _stats(res["holds_loop"]), "process_cpu_ms": _stats(res["holds_proc"])},
         "status": {"build_loop_cpu_ms": _stats(build), "write_loop_blocked_max_ms": _stats(block),
                    "write_wall_ms": _stats(write_wall), "write_loop_cpu_ms": _stats(write_loop),
-                   "write_longest_stretch_cpu_ms": _stats(stretch),
+                   "write_longest_stretch_cpu_ms": _stats(stretch), "curves_encode_cpu_ms": hubstatus.last_write.get("curves_cpu_ms"),
                    "idle_loop_gap_max_ms": _stats(idle), "bytes": status_bytes},
         "housekeeping": {"loop_cpu_ms": _stats(house)},
+        "admission": {"loop_cpu_ms": _stats([a for a, _ in admission]), "wall_ms": _stats([w for _, w in admission])},
+        "http_status": http,
     }
+
+
+async def _measure_http(hub: Any, n: int) -> dict[str, Any]:
+    """``GET /status.json`` against the hub's status server as serve.py starts it, from a client
+    in another thread (urllib), while a 1 ms ticker runs on the loop."""
+    import urllib.request
+
+    import trio
+
+    from echo2.learner_hub.status_http import StatusServer, hub_metrics
+
+    server = StatusServer(hub.status, lambda: hub_metrics(hub.status()), snapshot=lambda: hub.status_snapshot)
+    loop_ms, blocked, sizes = [], [], []
+
+    def get(url: str) -> int:
+        with urllib.request.urlopen(url, timeout=30) as r:
+            return len(r.read())
+
+    async with trio.open_nursery() as nursery:
+        port = await nursery.start(server.serve)
+        for _ in range(n):
+            with _Cpu() as c:  # alone: the loop thread's CPU is the request's
+                sizes.append(await trio.to_thread.run_sync(get, f"http://127.0.0.1:{port}/status.json"))
+            loop_ms.append(c.loop_ms)
+            gaps: list[float] = []
+            stop = trio.Event()
+            async with trio.open_nursery() as inner:
+                inner.start_soon(_ticker, gaps, stop)
+                await trio.sleep(0.01)
+                await trio.to_thread.run_sync(get, f"http://127.0.0.1:{port}/status.json")
+                stop.set()
+            blocked.append(max(gaps) if gaps else 0.0)
+        nursery.cancel_scope.cancel()
+    return {"loop_cpu_ms": _stats(loop_ms), "loop_blocked_max_ms": _stats(blocked), "bytes": max(sizes, default=0)}
 
 
 def run(args: argparse.Namespace) -> int:
@@ -277,7 +331,11 @@ def run(args: argparse.Namespace) -> int:
               f" loop blocked {row['status']['write_loop_blocked_max_ms']['median']:.1f} ms"
               f" (idle {row['status']['idle_loop_gap_max_ms']['median']:.1f} ms,"
               f" longest CPU stretch {row['status']['write_longest_stretch_cpu_ms']['median']:.1f} ms)"
-              f"  housekeeping {row['housekeeping']['loop_cpu_ms']['median']:.1f} ms  (setup: admit {row['setup']['admit_s']} s)",
+              f"  housekeeping {row['housekeeping']['loop_cpu_ms']['median']:.1f} ms"
+              f"  admission {row['admission']['loop_cpu_ms']['median']:.2f} ms"
+              f"  HTTP status.json: loop CPU {row['http_status']['loop_cpu_ms']['median']:.1f} ms,"
+              f" loop blocked {row['http_status']['loop_blocked_max_ms']['median']:.1f} ms"
+              f"  (setup: admit {row['setup']['admit_s']} s)",
               flush=True)
     out: dict[str, Any] = {
         "bench": "intake",

@@ -18,7 +18,7 @@ import trio
 from echo2.protocol.errors import MeaningError
 from echo2.protocol.messages import Announce, RelayReport
 
-from .activation import NodeOffer, reselect
+from .activation import ActiveSet, Offer
 from .admission import AdmissionPolicy, Decision
 from .broadcast import PeerInfo
 from .capacity import CapacityReport, NodeCapacity, capacity_report
@@ -66,6 +66,10 @@ class NodeInfo:
             seen = self.__dict__.get("_seen")
             if seen is not None:
                 seen.heard(self.peer_id, value)
+        elif name == "tokens":  # the status page's per-node rates sample only the nodes that changed
+            tok = self.__dict__.get("_tok")
+            if tok is not None:
+                tok.add(self.peer_id)
 
 
 class SilenceOrder:
@@ -138,10 +142,11 @@ class Fleet:
         # left) since the outbox last applied it to the dispatcher
         self.eligibility_changed: set[str] = set()
         self.silence = SilenceOrder()
+        self.tokens_changed: set[str] = set()  # nodes whose token count changed since curves sampled it
         self._claim_changed: set[str] = set()  # announced claims since the last tick
         self._admitted: dict[str, int] = {}  # peer -> admission number (the order of self.nodes)
         self._admission_seq = itertools.count()
-        self._active_paid: set[str] = set()
+        self.activation = ActiveSet(min_gain=0.05)  # who works, kept by events (activation.py)
         self.last_activation: dict[str, Any] = {}
         self.changed = False  # a node joined or left since the capacity report was last logged
         self.relay_reports_received = 0
@@ -184,6 +189,8 @@ class Fleet:
             node = self.nodes[peer] = NodeInfo(peer, announce, now, now)
             node.__dict__["_watch"] = self.eligibility_changed
             node.__dict__["_seen"] = self.silence
+            node.__dict__["_tok"] = self.tokens_changed
+            self.tokens_changed.add(peer)  # sampled from its first count (0), as it joined
             self.silence.heard(peer, now)
             self._admitted[peer] = next(self._admission_seq)
             log.info("admitted node %s (%s, price %.3f $/h)", peer, announce.cpu_model or "?", announce.price_usd_per_hour)
@@ -200,7 +207,10 @@ class Fleet:
         self.dispatcher.add_node(peer, rate=max(announce.rollouts_per_s, 1.0), claimed=True)
         self.eligibility_changed.add(peer)  # add_node made it active: the outbox checks its version
         self.dispatcher.seed_rate(peer, announce.rollouts_per_s)
-        self.activate()
+        if self.active is None or node.paused:  # the first decision is a full one; a paused node waits
+            self.activate()
+        else:
+            self._apply(*self.activation.join(peer, self._offer(peer)))
         return True, d.reason
 
     def announced(self, peer: str, announce: Announce) -> None:
@@ -285,7 +295,10 @@ class Fleet:
         if bool(was) != paused:
             log.info("node %s %s", peer, f"paused computing: {node.paused}" if paused else "resumed computing")
             self.changed = True
-            self.activate()
+            if self.active is None:
+                self.activate()
+            else:
+                self._apply(*(self.activation.leave(peer) if paused else self.activation.join(peer, self._offer(peer))))
             if paused:
                 self.store.submit(HubStore.set_node_state, peer, "paused")
 
@@ -304,6 +317,7 @@ class Fleet:
             self.eligibility_changed.add(peer)
             self.silence.forget(peer)
             del self.nodes[peer]
+            self._apply(*self.activation.leave(peer))
         return gone
 
     # --- reputation ------------------------------------------------------------------------------
@@ -326,6 +340,7 @@ class Fleet:
         self.nodes.pop(peer, None)
         self.eligibility_changed.add(peer)
         self.silence.forget(peer)
+        self._apply(*self.activation.leave(peer))
         self.on_ban(peer)
 
     def checked(self, diffs: dict[str, float]) -> None:
@@ -385,46 +400,51 @@ class Fleet:
 
     # --- cost-aware activation (BRIEF §6) ----------------------------------------------------------
     def activate(self, t_train: float | None = None, trained: bool | None = None) -> None:
-        """Pick the nodes that get tasks: every free node, plus the cheapest cover of the rest of
-        R* = margin·B/T_train among paid ones (hub-measured rates, announced prices), keeping the
-        current paid set unless the new optimum is clearly cheaper (hysteresis)."""
+        """Pick the nodes that get tasks, from scratch: every free node, plus the cheapest cover of
+        the rest of R* = margin·B/T_train among paid ones (hub-measured rates, announced prices),
+        keeping the current paid set unless the new optimum is clearly cheaper (hysteresis). The
+        housekeeping runs it every few seconds (rates and T_train move); joins, pauses and leaves
+        between update the set by events (:class:`ActiveSet`)."""
         t_train = self.t_train() if t_train is None else t_train
         trained = self.trained() if trained is None else trained
-        available = {p for p, n in self.nodes.items() if not n.paused}  # a paused node is unavailable
-        if self.cfg.activation == "all" or not trained or not available:
-            new = available
-        else:
-            need = self.cfg.activation_margin * self.cfg.prompts_per_step * self.cfg.group_size / max(t_train, 1e-6)
-            # hub-measured rates only: a node the hub has not timed yet works on probation
-            measured = {p: self.dispatcher.measured_rate(p) for p in available if p in self.dispatcher.nodes}
-            probation = {p for p, r in measured.items() if r is None}
-            offers = [NodeOffer(p, self.prices.offered(p), r) for p, r in measured.items() if r is not None]
-            free = {o.node_id for o in offers if o.price == 0}
-            rest = need - sum(o.rate for o in offers if o.node_id in free)
-            paid = [o for o in offers if o.price > 0]
-            chosen: set[str] = set()
-            if rest > 0 and paid:
-                act = reselect(self._active_paid, paid, rest, min_gain=0.05)
-                chosen = set(act.selected)
-                self.last_activation = {
-                    "required_rate": need, "method": act.method, "cost_usd_per_hour": act.cost,
-                    "shortfall": act.shortfall, "ms": round(act.elapsed_ms, 3),
-                }
-            self._active_paid = chosen
-            new = free | chosen | probation
+        cost_aware = self.cfg.activation != "all" and trained
+        need = self.cfg.activation_margin * self.cfg.prompts_per_step * self.cfg.group_size / max(t_train, 1e-6)
+        # a paused node is unavailable; hub-measured rates only: an untimed node works on probation
+        offers = {p: self._offer(p) for p, n in self.nodes.items()
+                  if not n.paused and (not cost_aware or p in self.dispatcher.nodes)}
+        first = self.active is None
+        added, removed = self.activation.solve(offers, cost_aware, need)
+        self._apply(added, removed, first=first)
+        if (added or removed) and not first:
+            log.info("activation: %d active, %d standby %s", len(self.activation.active),
+                     len(self.nodes) - len(self.activation.active), self.last_activation)
+
+    def _offer(self, peer: str) -> Offer:
+        return self.prices.offered(peer), self.dispatcher.measured_rate(peer)
+
+    def _apply(self, added: set[str], removed: set[str], first: bool = False) -> None:
+        """Bill, record and re-check the eligibility of the nodes whose activation changed."""
+        if self.active is None and not first:
+            return  # no decision yet (everyone may work): nothing to bill or re-check
+        act = self.activation.last
+        if act is not None:
+            self.last_activation = {
+                "required_rate": self.activation.last_need, "method": act.method, "cost_usd_per_hour": act.cost,
+                "shortfall": act.shortfall, "ms": round(act.elapsed_ms, 3),
+            }
         now = time.time()
-        old = self.active if self.active is not None else set()
-        for p in new - old:
+        for p in added:
             self.ledger.activate(p, now)
             self.store.submit(HubStore.set_node_state, p, "active")
-        for p in old - new:
+        for p in removed:
             self.ledger.deactivate(p, now)
             if p in self.nodes:
                 self.store.submit(HubStore.set_node_state, p, "standby")
-        if new != old and self.active is not None:
-            log.info("activation: %d active, %d standby %s", len(new), len(self.nodes) - len(new), self.last_activation)
-        self.eligibility_changed |= new ^ (old if self.active is not None else set(self.nodes))
-        self.active = new
+        if first:  # before the first decision everyone could work: who is not active now changed
+            self.eligibility_changed |= self.activation.active ^ set(self.nodes)
+        else:
+            self.eligibility_changed |= added | removed
+        self.active = self.activation.active
 
     def t_train(self) -> float:
         return self.figures.t_train()

@@ -66,6 +66,7 @@ from .reputation import Event
 from .rewards import RewardRunner, Scored, TrainerState, apply_scores, batch_of, load_reward_funcs
 from .rows import Group, encode_groups
 from .serve import serve
+from .status_http import StatusSnapshot
 from .store import HubStore
 from .storeworker import StoreWorker
 from .tracking import Tracker, report_targets
@@ -131,6 +132,7 @@ class Hub:
         self.nodes, self.reputation = self.fleet.nodes, self.fleet.reputation
         self.loop_lag = LoopLag()
         self.curves = HubCurves()  # the status page's curves (curves.py)
+        self.status_snapshot: StatusSnapshot | None = None  # the last status written (the HTTP server serves it)
         self.started = self.trainer.started
         self.done, self.finished = trio.Event(), False
         self._status_lock: trio.Lock | None = None

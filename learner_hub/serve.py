@@ -81,7 +81,9 @@ async def serve(hub: Hub) -> int:
             print("echo2 hub listening:\n" + "".join(f"  {a}\n" for a in hub.addrs) + f"  data plane {hub.data_addr}", flush=True)
             print(f"  a join string for nodes (`echo2 node run --join STRING`): echo2 hub join-string --dir {hub.dir}"
                   " [--host PUBLIC_NAME]", flush=True)
-            status = StatusServer(hub.status, lambda: hub_metrics(hub.status()), host="127.0.0.1", port=cfg.status_port)
+            # every route answers from the last status written (hubstatus.py), never built on the loop
+            status = StatusServer(hub.status, lambda: hub_metrics(hub.status()), host="127.0.0.1", port=cfg.status_port,
+                                  snapshot=lambda: hub.status_snapshot)
             await nursery.start(status.serve)
             hub.status_url = f"http://127.0.0.1:{status.port}/"
             print(f"  status {hub.status_url} (metrics at /metrics)", flush=True)

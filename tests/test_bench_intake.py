@@ -23,3 +23,6 @@ def test_bench_intake_small_fleet(tmp_path: Path) -> None:
         assert row["result"]["loop_cpu_ms"]["n"] == 4 and row["result"]["loop_cpu_ms"]["median"] > 0
         assert row["holds"]["loop_cpu_ms"]["n"] == 2
         assert row["status"]["bytes"] > 0 and row["result_bytes"] > 8 * 64
+        assert row["admission"]["loop_cpu_ms"]["n"] == 20 and row["admission"]["loop_cpu_ms"]["median"] > 0
+        # the HTTP server sent the status the hub wrote (then 20 more nodes joined: it is no larger)
+        assert row["http_status"]["loop_cpu_ms"]["n"] == 1 and row["http_status"]["bytes"] == row["status"]["bytes"]

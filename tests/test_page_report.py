@@ -46,12 +46,89 @@ def test_node_rates_over_the_last_minutes() -> None:
     for t in range(0, 301, 5):  # node a: 10 tokens/s throughout; b: joins at 200 s, 50 tokens/s
         toks = {"a": 10 * t} | ({"b": 50 * (t - 200)} if t >= 200 else {})
         r.add(float(t), toks)
-    assert len(r.samples) <= 13 and r.samples[0][0] >= 300 - 120
+    assert len(r.times) <= 13 and r.times[0] >= 300 - 120
     assert r.rate("a", 305.0, 3050, 60.0) == pytest.approx(10.0)
     assert r.rate("b", 305.0, 50 * 105, 60.0) == pytest.approx(50.0)
     assert r.rate("c", 305.0, 0, 60.0) is None
     cols = r.columns()
-    assert cols["series"]["a"][-1] == pytest.approx(10.0) and len(cols["wall_s"]) == len(r.samples) - 1
+    assert cols["series"]["a"][-1] == pytest.approx(10.0) and len(cols["wall_s"]) == len(r.times) - 1
+
+
+class _FullRates:
+    """The reference: every node's count copied at every sample (what NodeRates did before it
+    recorded only the nodes that changed)."""
+
+    def __init__(self, sample_s: float, window_s: float) -> None:
+        self.sample_s, self.window_s = sample_s, window_s
+        self.samples: list[tuple[float, dict[str, int]]] = []
+
+    def add(self, now: float, tokens: dict[str, int]) -> None:
+        if self.samples and now - self.samples[-1][0] < self.sample_s:
+            return
+        self.samples.append((now, dict(tokens)))
+        while now - self.samples[0][0] > self.window_s:
+            self.samples.pop(0)
+
+    def rate(self, peer: str, now: float, tokens_now: int, over_s: float) -> float | None:
+        for t, toks in self.samples:
+            if now - t <= over_s and t < now and peer in toks:
+                return (tokens_now - toks[peer]) / (now - t)
+        return None
+
+    def columns(self, most: int) -> dict[str, object]:
+        pts = self.samples
+        first, last = pts[0][1], pts[-1][1]
+        gains = {p: last[p] - first.get(p, 0) for p in last}
+        series = {p: [((b[1][p] - a[1][p]) / (b[0] - a[0])) if p in a[1] and p in b[1] else None
+                      for a, b in zip(pts, pts[1:], strict=False)] for p in last}
+        return {"wall_s": [t for t, _ in pts[1:]], "gains": gains, "series": series}
+
+
+@pytest.mark.parametrize("seed", range(30))
+def test_node_rates_incremental_matches_full_copies(seed: int) -> None:
+    """Random joins, leaves and token counts: the rates and the chart from samples of only the
+    nodes that changed equal those from copying every node's count at every sample."""
+    import random
+
+    rng = random.Random(seed)
+    inc, ref = NodeRates(sample_s=10.0, window_s=60.0), _FullRates(10.0, 60.0)
+    tokens: dict[str, int] = {}
+    changed: set[str] = set()
+    gone: set[str] = set()  # a node that left comes back under a new name (a rejoin is out of scope)
+    t = 0.0
+    for _ in range(300):
+        t += rng.choice([1.0, 3.0, 7.0, 10.0, 25.0])
+        for _ in range(rng.randrange(4)):
+            op, p = rng.random(), f"n{rng.randrange(40)}"
+            if p in gone:
+                continue
+            if p not in tokens:
+                tokens[p] = 0
+                changed.add(p)  # sampled from its first count, as the fleet marks a joining node
+            elif op < 0.15:
+                del tokens[p]
+                changed.discard(p)
+                gone.add(p)
+            elif op < 0.9:
+                tokens[p] += rng.randrange(1, 500)
+                changed.add(p)
+        if inc.due(t):
+            inc.add(t, {p: tokens[p] for p in changed}, present=tokens)
+            changed.clear()
+        ref.add(t, tokens)
+        now = t + rng.choice([0.0, 0.5, 5.0])
+        for p in tokens:
+            for over in (20.0, 60.0):
+                assert inc.rate(p, now, tokens[p] + 7, over) == pytest.approx(ref.rate(p, now, tokens[p] + 7, over))
+        if ref.samples and tokens:
+            full = ref.columns(most=4)
+            got = inc.columns(most=4, present=tokens)
+            assert got["wall_s"] == full["wall_s"]
+            gains = {p: g for p, g in full["gains"].items() if p in tokens}  # a node gone is not drawn
+            assert sorted(gains[p] for p in got["series"]) == sorted(gains.values())[-4:]
+            for p, ys in got["series"].items():
+                assert ys == pytest.approx(full["series"][p])
+    assert set(inc.per_peer) <= set(tokens) | {p for p in gone if p in ref.samples[0][1]}  # the departed forgotten
 
 
 class _Scripts(HTMLParser):
