@@ -194,7 +194,8 @@ async def _real_mode(mode: str, n: int, mbytes: float, link_MBps: float, hub_MBp
     if mode == "star":
         sender = StarWithHolds(StarSender(publisher))
     else:
-        sender = PipelinedSender(publisher, identity, hub_upload_MBps=hub_MBps)
+        # NATed nodes relay too (reverse connections to reachable children) when there are homes
+        sender = PipelinedSender(publisher, identity, hub_upload_MBps=hub_MBps, nat_relay=bool(net and net.nat))
     # under --netns the hub's upload is the kernel's tbf on host 0, not a token bucket
     server = DataPlaneServer(identity, sender.serve_connection, upload_limiter=None if net else UploadLimiter(hub_MBps),
                              max_connections=max(256, 4 * n), host=net.ip(0) if net else "127.0.0.1")
