@@ -175,7 +175,11 @@ def plan_broadcast(
     # Interior groups: fastest first, each to the stripe with the least capacity so far.
     groups: list[list[NodeInfo]] = [[] for _ in range(n_stripes)]
     group_cap = [0] * n_stripes
-    for n in eligible:
+    # With NAT-bound relays, reachable nodes are spread first: a stripe whose interior nodes were
+    # all NAT-bound would have no reachable slot for its NAT-bound children, which then fell back
+    # to the hub (bench --netns --nat 4 at N = 8: the hub sent 2 x M, ratio 2.2-2.6 against 1.3).
+    spread = sorted(eligible, key=lambda n: (not n.reachable, -n.upload_Bps, n.node_id)) if nat_relay else eligible
+    for n in spread:
         s = min(range(n_stripes), key=lambda j: (group_cap[j], j))
         groups[s].append(n)
         group_cap[s] += capacity[n.node_id]

@@ -121,6 +121,14 @@ def test_nat_relay_plans_nat_bound_parents_of_reachable_children_only() -> None:
     assert len(nat_parents) == 4  # every NAT-bound node relays
     for s in range(plan.stripes):
         assert len(plan.children[s][HUB]) <= plan.hub_capacity  # nobody spilled onto the hub
+    # whatever the ids (they order the interior groups), no stripe is left without a reachable relay
+    # (before the planner spread reachable nodes first, 10 of these 20 fleets overflowed the hub)
+    for seed in range(20):
+        rng = random.Random(seed)
+        mixed = [NodeInfo(f"x{rng.random():.6f}", 8 * MBPS, i < 4) for i in range(8)]
+        s_plan = plan_broadcast(1, 8 * MBPS, mixed, 64, nat_relay=True)
+        check_plan(s_plan)
+        assert all(len(s_plan.children[s][HUB]) <= s_plan.hub_capacity for s in range(s_plan.stripes))
     # a repair keeps NAT-bound orphans under reachable parents
     p0 = next(p for p in plan.children[0][HUB])
     check_plan(replan(plan, left=[p0]))
