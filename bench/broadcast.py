@@ -72,6 +72,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--simulate", action="store_true", help="discrete-event simulation instead of real processes")
     parser.add_argument("--latency-ms", dest="latency_ms", type=float, default=None,
                         help="per-chunk hop overhead in the simulation (default 2 ms)")
+    parser.add_argument("--nat", type=int, default=0,
+                        help="with --netns: this many nodes live in homes behind their own NAT router (MASQUERADE)")
     parser.add_argument("--netns", action="store_true",
                         help="real runs in network namespaces (root): hub and nodes each on a host whose upload the "
                              "kernel's tbf shapes at --link-MBps, no token bucket (bench/netns.py)")
@@ -134,8 +136,47 @@ def _stop_nodes(procs: list[Any], net: Any = None) -> None:
             p.wait()
 
 
+async def _dial_back(sender: Any, timeout_s: float = 3.0) -> dict[str, bool]:
+    """Which nodes accept a data-plane connection, as the hub learns it (AutoNAT-like): dial the
+    announced port at the IP the hub observes the node at (never the announced host, A10), from a
+    throw-away identity; a refusal after the handshake still proves reachability."""
+    import trio
+
+    from echo2.learner_hub.probe_service import data_dial_target
+    from echo2.protocol.errors import Echo2Error, HandshakeError
+    from echo2.protocol.identity import Identity
+    from echo2.protocol.net import dataplane
+
+    prober = Identity.generate()
+    out: dict[str, bool] = {}
+
+    async def one(peer: str) -> None:
+        link, hello = sender.links.get(peer), sender.hello.get(peer)
+        target = data_dial_target(hello.data_addr if hello else "", link.conn.remote_ip() if link else None)
+        ok = False
+        if target is not None:
+            try:
+                with trio.move_on_after(timeout_s + 1):
+                    conn = await dataplane.connect(target, prober, peer, timeout_s=timeout_s)
+                    await conn.abort()
+                    ok = True
+            except HandshakeError as exc:
+                ok = getattr(exc, "reason", "") == "not_allowed"
+            except Echo2Error:
+                ok = False
+        out[peer] = ok
+
+    async with trio.open_nursery() as nursery:
+        for peer in sorted(sender.hello):
+            nursery.start_soon(one, peer)
+    return out
+
+
 async def _real_mode(mode: str, n: int, mbytes: float, link_MBps: float, hub_MBps: float, chunk: int,
                      root: str, connect_timeout_s: float = 180.0, net: Any = None) -> dict[str, object]:
+    """One broadcast of ``mbytes`` to ``n`` real node processes. Under ``net`` (a netns LAN), the
+    hub first learns each node's reachability by dialing it back, so NATed nodes (``net.nat``)
+    are planned as such."""
     import numpy as np
     import torch
     import trio
@@ -153,7 +194,8 @@ async def _real_mode(mode: str, n: int, mbytes: float, link_MBps: float, hub_MBp
     if mode == "star":
         sender = StarWithHolds(StarSender(publisher))
     else:
-        sender = PipelinedSender(publisher, identity, hub_upload_MBps=hub_MBps)
+        # NATed nodes relay too (reverse connections to reachable children) when there are homes
+        sender = PipelinedSender(publisher, identity, hub_upload_MBps=hub_MBps, nat_relay=bool(net and net.nat))
     # under --netns the hub's upload is the kernel's tbf on host 0, not a token bucket
     server = DataPlaneServer(identity, sender.serve_connection, upload_limiter=None if net else UploadLimiter(hub_MBps),
                              max_connections=max(256, 4 * n), host=net.ip(0) if net else "127.0.0.1")
@@ -171,6 +213,15 @@ async def _real_mode(mode: str, n: int, mbytes: float, link_MBps: float, hub_MBp
                 while len(sender.hello) < n:
                     await sender.changed.wait()
             await trio.sleep(0.5)
+            reachable: dict[str, bool] = {}
+            if net is not None:
+                from echo2.learner_hub.broadcast_book import PeerInfo
+
+                reachable = await _dial_back(sender)
+                hello = dict(sender.hello)
+                sender.node_info = lambda p: (PeerInfo(hello[p].data_addr, hello[p].upload_Bps, reachable.get(p, False))
+                                              if p in hello else None)
+                log.info("dial-back: %d of %d nodes reachable", sum(reachable.values()), len(reachable))
             await publisher.publish(1, state)
             sender.notify()
             limit = 20 * mbytes / min(link_MBps, hub_MBps) * max(1.0, n / 4) + 60
@@ -179,6 +230,7 @@ async def _real_mode(mode: str, n: int, mbytes: float, link_MBps: float, hub_MBp
                     await sender.changed.wait()
             await trio.sleep(1.0)  # late stats reports
             m = sender.version_metrics(1)
+            peer_sent = dict(sender.metrics[1].peer_sent) if 1 in sender.metrics else {}
             nursery.cancel_scope.cancel()
     finally:
         _stop_nodes(procs, net)
@@ -201,6 +253,8 @@ async def _real_mode(mode: str, n: int, mbytes: float, link_MBps: float, hub_MBp
         "chunk_bytes": chunk,
         "simulated": False,
         "netns": net is not None,
+        "nat_nodes": sum(1 for v in reachable.values() if not v),
+        "nat_sent_bytes": sum(int(peer_sent.get(p, 0)) for p, v in reachable.items() if not v),
     }
 
 
@@ -226,7 +280,8 @@ def run_real(args: argparse.Namespace) -> list[dict[str, object]]:
                     from echo2.bench.netns import Net
 
                     # a fresh LAN per row: host 0 is the hub, hosts 1..n the nodes
-                    with Net(n + 1, args.link_MBps) as net, net.inside(0):
+                    homes = frozenset(range(n + 1 - args.nat, n + 1))  # the last --nat nodes
+                    with Net(n + 1, args.link_MBps, nat=homes) as net, net.inside(0):
                         row = trio.run(_real_mode, mode, n, args.mbytes, args.link_MBps, hub_MBps, chunk, root,
                                        180.0, net)
                 else:
@@ -309,6 +364,8 @@ def run(args: argparse.Namespace) -> int:
         raise SystemExit("--rates, --nat-share, --churn and --nat-relay are for --simulate")
     if not (0 <= args.nat_share <= 1 and 0 <= args.punch_p <= 1 and 0 <= args.churn < 1):
         raise SystemExit("--nat-share and --punch-p in [0, 1], --churn in [0, 1)")
+    if args.nat and not (getattr(args, "netns", False) and 0 < args.nat <= min(args.nodes)):
+        raise SystemExit("--nat K needs --netns and 0 < K <= --nodes")
     if args.simulate and _wide_area(args):
         args.mode = ["pipelined"]
         rows = run_wan(args)
@@ -324,6 +381,10 @@ def run(args: argparse.Namespace) -> int:
                   f"{r['nat_nodes']} NATed uploaded {int(r['nat_sent_bytes']) / 1e6:.1f} MB; "  # type: ignore[call-overload]
                   f"-{r['left']} +{r['joined']} nodes, joiners <= {r['joiner_max_seconds']:.2f}s after joining; "
                   f"{r['chunks']} chunks of {r['chunk_bytes']} B, depth {r['depth']}")
+        elif r.get("nat_nodes"):
+            nat_n = int(r["nat_nodes"])  # type: ignore[call-overload]
+            print(f"{'':<10} {nat_n} NATed nodes (dial-back failed) uploaded {int(r['nat_sent_bytes']) / 1e6:.1f} MB, "  # type: ignore[call-overload]
+                  f"{int(r['nat_sent_bytes']) / nat_n / 1e6:.1f} MB each")  # type: ignore[call-overload]
     if args.json:
         nodes: object = args.nodes[0] if len(args.nodes) == 1 else args.nodes
         doc = {"nodes": nodes, "mbytes": args.mbytes, "link_MBps": args.link_MBps, "hub_MBps": args.hub_MBps,

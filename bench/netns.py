@@ -6,6 +6,19 @@ Topology (all made here, all removed by :meth:`Net.teardown`, on exit and on SIG
     namespace <prefix>h<i> : eth0 = veth peer of p<i>, address <subnet>.<i+1>/24,
                              the kernel's tbf on eth0 egress = the host's UPLOAD
 
+With ``nat`` (a set of host indices), each of those hosts lives in a home behind a router of its
+own, as a volunteer's home router does::
+
+    namespace <prefix>r<i> : wan0 = veth peer of p<i> on the bridge, address <subnet>.<i+1>/24;
+                             lan0 = 192.168.<i>.1/24; nftables MASQUERADE out of wan0, and
+                             inbound from wan0 dropped unless it belongs to a connection the home
+                             opened (conntrack established/related)
+    namespace <prefix>h<i> : eth0 = 192.168.<i>.2/24, default route via the router, tbf on eth0
+
+so two NATed hosts traverse two NATs to reach each other. Linux MASQUERADE keeps a connection's
+source port when it is free (measured here, ../shared/BRIEF.md section 11), which is what TCP
+simultaneous open relies on. Needs ``nft`` (Debian package nftables) for homes.
+
 Only uploads are shaped (rate in MB/s = 10**6 bytes/s at layer 2); a host's download is limited
 only by its senders' uploads, as the data plane's token bucket models it. Traffic never leaves the
 namespaces made here. Needs root, iproute2 (``ip``, ``tc``) and the veth, bridge and sch_tbf
@@ -91,12 +104,18 @@ class Net:
     """``n_hosts`` namespaces on one bridge, each host's upload shaped to ``rate_MBps``."""
 
     def __init__(self, n_hosts: int, rate_MBps: float, *, prefix: str | None = None, subnet: str = DEFAULT_SUBNET,
-                 burst: str = "32kb", latency: str = "50ms", mtu: int = 1500) -> None:
+                 burst: str = "32kb", latency: str = "50ms", mtu: int = 1500,
+                 nat: frozenset[int] | set[int] = frozenset()) -> None:
         if not 1 <= n_hosts <= 250:
             raise ValueError("n_hosts must be in 1..250")
         if rate_MBps <= 0:
             raise ValueError("rate_MBps must be positive")
         self.n = n_hosts
+        if any(not 0 <= i < n_hosts for i in nat):
+            raise ValueError("nat: host indices in 0..n_hosts-1")
+        if nat and not shutil.which("nft"):
+            raise RuntimeError("homes behind NAT need nft (Debian package nftables)")
+        self.nat = frozenset(nat)
         self.rate_MBps = float(rate_MBps)
         # a fresh prefix per run: two runs at once (or a crashed one's leftovers) never collide
         self.prefix = prefix or f"e2{uuid.uuid4().hex[:6]}"
@@ -110,7 +129,15 @@ class Net:
     def ns(self, i: int) -> str:
         return f"{self.prefix}h{i}"
 
+    def router(self, i: int) -> str:
+        return f"{self.prefix}r{i}"
+
     def ip(self, i: int) -> str:
+        """The address host ``i`` binds (inside its home for a NATed host)."""
+        return f"192.168.{i}.2" if i in self.nat else self.public_ip(i)
+
+    def public_ip(self, i: int) -> str:
+        """Where others see host ``i``: its own address, or its home router's for a NATed host."""
         return f"{self.subnet}.{i + 1}"
 
     # --- lifecycle ------------------------------------------------------------------------------
@@ -126,6 +153,9 @@ class Net:
         for i in range(self.n):
             h, port = self.ns(i), f"p{i}"
             _sh(["ip", "netns", "add", h])
+            if i in self.nat:
+                self._home(i, rate_bit)
+                continue
             _sh(["ip", "link", "add", "name", port, "netns", self.sw, "type", "veth", "peer", "name", "eth0", "netns", h])
             _sh(["ip", "-n", self.sw, "link", "set", port, "mtu", str(self.mtu), "master", "br0", "up"])
             _sh(["ip", "-n", h, "link", "set", "lo", "up"])
@@ -135,6 +165,32 @@ class Net:
                  "rate", f"{rate_bit}bit", "burst", self.burst, "latency", self.latency])
         return self
 
+    def _home(self, i: int, rate_bit: int) -> None:
+        h, r, port = self.ns(i), self.router(i), f"p{i}"
+        _sh(["ip", "netns", "add", r])
+        _sh(["ip", "link", "add", "name", port, "netns", self.sw, "type", "veth", "peer", "name", "wan0", "netns", r])
+        _sh(["ip", "-n", self.sw, "link", "set", port, "mtu", str(self.mtu), "master", "br0", "up"])
+        _sh(["ip", "link", "add", "name", "lan0", "netns", r, "type", "veth", "peer", "name", "eth0", "netns", h])
+        for ns_, dev, addr in ((r, "wan0", self.public_ip(i) + "/24"), (r, "lan0", f"192.168.{i}.1/24"),
+                               (h, "eth0", self.ip(i) + "/24")):
+            _sh(["ip", "-n", ns_, "link", "set", "lo", "up"])
+            _sh(["ip", "-n", ns_, "link", "set", dev, "mtu", str(self.mtu), "up"])
+            _sh(["ip", "-n", ns_, "addr", "add", addr, "dev", dev])
+        _sh(["ip", "-n", h, "route", "add", "default", "via", f"192.168.{i}.1"])
+        _sh(["ip", "netns", "exec", r, "sysctl", "-q", "-w", "net.ipv4.ip_forward=1"])
+        rules = "\n".join([
+            "table ip nat {", "  chain postrouting {", "    type nat hook postrouting priority 100; policy accept;",
+            '    oifname "wan0" masquerade', "  }", "}",
+            "table inet filter {",
+            *(line for hook in ("forward", "input") for line in (
+                f"  chain {hook} {{", f"    type filter hook {hook} priority 0; policy accept;",
+                '    iifname "wan0" ct state established,related accept', '    iifname "wan0" drop', "  }")),
+            "}", ""])
+        subprocess.run(["ip", "netns", "exec", r, "nft", "-f", "-"], input=rules, text=True, check=True,
+                       capture_output=True, timeout=30)
+        _sh(["ip", "netns", "exec", h, "tc", "qdisc", "replace", "dev", "eth0", "root", "tbf",
+             "rate", f"{rate_bit}bit", "burst", self.burst, "latency", self.latency])
+
     def teardown(self) -> None:
         for p in list(self._procs):
             self.kill(p)
@@ -143,7 +199,8 @@ class Net:
         errors = []
         for i in range(self.n):
             _sh(["ip", "-n", self.sw, "link", "del", f"p{i}"], check=False)
-        for name in [self.ns(i) for i in range(self.n)] + [self.sw]:
+        routers = [self.router(i) for i in sorted(self.nat)]
+        for name in [self.ns(i) for i in range(self.n)] + routers + [self.sw]:
             r = _sh(["ip", "netns", "del", name], check=False)
             if r.returncode != 0 and "No such file" not in r.stderr:
                 errors.append((name, r.stderr.strip()))

@@ -102,6 +102,7 @@ class PipelinedSender(HubSide):
         data_addr: str = "",
         node_info: Callable[[str], PeerInfo | None] | None = None,
         stripes: int | None = None,
+        nat_relay: bool = False,
         window: int = 2,
         plan_ttl_s: float = 24 * 3600.0,
         progress_timeout_s: float = 1.0,
@@ -114,6 +115,7 @@ class PipelinedSender(HubSide):
         self.hub_upload_Bps = hub_upload_MBps * 1e6 if hub_upload_MBps > 0 else UNLIMITED_BPS
         self.data_addr = data_addr
         self.stripes = stripes
+        self.nat_relay = nat_relay  # NAT-bound nodes relay to reachable children (planner)
         self.window = window
         self.plan_ttl_s = plan_ttl_s
         self.progress_timeout_s = progress_timeout_s
@@ -156,7 +158,10 @@ class PipelinedSender(HubSide):
 
     def _plan_message(self, plan: Plan) -> bytes:
         nodes = plan.nodes
-        addrs = {n: a.data_addr for n in nodes if (a := self.info(n)) is not None and a.data_addr}
+        # Only reachable nodes get an address: an edge whose parent has one is dialled by the
+        # child, one whose parent has none by the parent (a reverse connection to a reachable
+        # child), so a NAT-bound node's unreachable address is never given out (node.relay_state).
+        addrs = {n: a.data_addr for n in nodes if (a := self.info(n)) is not None and a.data_addr and a.reachable}
         if self.data_addr:
             addrs[self.hub] = self.data_addr
         keys = set(nodes) | {self.hub}
@@ -183,7 +188,8 @@ class PipelinedSender(HubSide):
         self.demoted = {p: v for p, v in self.demoted.items() if p in self.links}
         m = pub.packed.manifest
         plan = plan_broadcast(
-            pub.version, self.hub_upload_Bps, self._node_infos(), len(m.chunks), hub=self.hub, stripes=self.stripes
+            pub.version, self.hub_upload_Bps, self._node_infos(), len(m.chunks), hub=self.hub, stripes=self.stripes,
+            nat_relay=self.nat_relay,
         )
         relay = Relay(self.hub, plan, [c.enc_hash for c in m.chunks], have=range(len(m.chunks)),
                       now=trio.current_time(), window=self.window)

@@ -7,8 +7,10 @@ One :class:`RelayNode` per node process:
   it, pushes the chunks of the stripes whose root this node is, and answers pulls);
 - a connection to its parent in every stripe: **the child dials the parent** and the parent pushes
   that stripe's chunks back on the same connection as it verifies them. Why this direction: only
-  the parent has to be reachable (NAT-bound nodes are leaves in the plan), and a child that lost
-  its parent simply dials the new one named by the repaired plan.
+  the parent has to be reachable, and a child that lost its parent simply dials the new one named
+  by the repaired plan. A NAT-bound parent (no address in the plan; the hub plans it so only with
+  ``nat_relay``) dials its reachable children instead and pushes on that connection (a reverse
+  connection, :meth:`WirePlan.dial_targets`); the child's gate admits it as a peer of the plan.
 
 Every connection carries frames both ways. Chunk frames are :func:`echo2.protocol.wire.pack_chunk_frame`
 payloads (version, index, encoding flag, bytes). Small requests are canonical maps in REQUEST
@@ -378,8 +380,10 @@ class RelayNode:
                 log.warning("refused early chunk from %s: %s", peer, exc)
 
     def _dial_parents(self, b: Broadcast) -> None:
-        for p in set(b.relay.parents):
-            if p is not None and p not in (self.me, self.hub_peer) and p not in self.links:
+        # our reachable parents, and (when we are NAT-bound: no address of ours in the plan) our
+        # reachable children, whom we push to over the connection we open (WirePlan.dial_targets)
+        for p in b.plan.dial_targets(self.me) | {p for p in b.relay.parents if p in b.plan.data_addrs}:
+            if p not in (self.me, self.hub_peer) and p not in self.links:
                 self._spawn(self._ensure_link, p)
 
     async def _on_chunk(self, peer: str, payload: bytes | bytearray) -> None:

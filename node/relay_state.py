@@ -54,6 +54,22 @@ class WirePlan:
                 out.update(v)
         return out
 
+    def dial_targets(self, me: str) -> set[str]:
+        """The peers this node dials for the plan's edges (pure; both ends decide alike): an
+        edge's child dials its parent when the parent has an address in the plan (it is
+        reachable), else the parent dials the child when the child has one (a reverse
+        connection: a NAT-bound parent pushes to a reachable child). The hub is not dialled here
+        (the hub link is kept apart)."""
+        out: set[str] = set()
+        for s in range(self.stripes):
+            p = self.parent[s].get(me)
+            if p is not None and p != self.hub and p in self.data_addrs:
+                out.add(p)
+            if me not in self.data_addrs:
+                out.update(c for c in self.children[s].get(me, ()) if c in self.data_addrs)
+        out.discard(me)
+        return out
+
 
 def plan_from_message(msg: BroadcastPlan, hub: str) -> WirePlan:
     s = msg.stripes

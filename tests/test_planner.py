@@ -104,8 +104,34 @@ def test_check_plan_catches_cycle_and_nat_relay() -> None:
         check_plan(bad)
     nat = replan(plan)
     nat.reachable[a] = False
-    with pytest.raises(ValueError):
+    check_plan(nat)  # a NAT-bound parent of reachable children: it dials them (reverse connection)
+    nat.reachable[b] = False
+    with pytest.raises(ValueError):  # NAT under NAT: no connection could exist without a punch
         check_plan(nat)
+
+
+def test_nat_relay_plans_nat_bound_parents_of_reachable_children_only() -> None:
+    nodes = [NodeInfo(f"p{i}", 8 * MBPS, True) for i in range(4)] + [NodeInfo(f"n{i}", 8 * MBPS, False) for i in range(4)]
+    leaves = plan_broadcast(1, 8 * MBPS, nodes, 64)
+    check_plan(leaves)
+    assert not any(leaves.children[s].get(f"n{i}") for s in range(leaves.stripes) for i in range(4))
+    plan = plan_broadcast(1, 8 * MBPS, nodes, 64, nat_relay=True)
+    check_plan(plan)
+    nat_parents = {p for s in range(plan.stripes) for p, cs in plan.children[s].items() if cs and p.startswith("n")}
+    assert len(nat_parents) == 4  # every NAT-bound node relays
+    for s in range(plan.stripes):
+        assert len(plan.children[s][HUB]) <= plan.hub_capacity  # nobody spilled onto the hub
+    # whatever the ids (they order the interior groups), no stripe is left without a reachable relay
+    # (before the planner spread reachable nodes first, 10 of these 20 fleets overflowed the hub)
+    for seed in range(20):
+        rng = random.Random(seed)
+        mixed = [NodeInfo(f"x{rng.random():.6f}", 8 * MBPS, i < 4) for i in range(8)]
+        s_plan = plan_broadcast(1, 8 * MBPS, mixed, 64, nat_relay=True)
+        check_plan(s_plan)
+        assert all(len(s_plan.children[s][HUB]) <= s_plan.hub_capacity for s in range(s_plan.stripes))
+    # a repair keeps NAT-bound orphans under reachable parents
+    p0 = next(p for p in plan.children[0][HUB])
+    check_plan(replan(plan, left=[p0]))
 
 
 def test_star_plan() -> None:

@@ -174,6 +174,13 @@ class DataConnection:
     def __repr__(self) -> str:
         return f"DataConnection(peer={self.peer_id}, dialer={self.is_dialer})"
 
+    def remote_ip(self) -> str | None:
+        """The IP this connection comes from as seen here (an observed address, A10), or None."""
+        try:
+            return str(self._sock.getpeername()[0])
+        except OSError:
+            return None
+
     @property
     def usable(self) -> bool:
         return self._broken is None and not self._closed
