@@ -93,7 +93,7 @@ def test_intake_judges_the_packed_form_as_the_list_form() -> None:
     assert v.texts == [[item] * 2 for item in items]  # the stop token is not in the text
     s = v.rows[0].samples[0]
     assert s.token_ids == list(list_form.completions[0].token_ids) and s.finish_reason == "stop"
-    assert s.logprobs == [-0.5, -0.5] and s.packed is not None
+    assert list(s.logprobs) == [-0.5, -0.5] and s.packed is not None
 
 
 def test_intake_refuses_a_logprob_below_the_floor_in_either_form() -> None:

@@ -161,7 +161,8 @@ class TokenizerHandle:
 
     def decode_batch(self, seqs: list[list[int]], skip_special: bool = True) -> list[str]:
         """:meth:`decode` of many sequences in one call into the tokenizer."""
-        return [str(t) for t in self.tokenizer.decode_batch([list(x) for x in seqs], skip_special_tokens=skip_special)]
+        lists = seqs if all(type(x) is list for x in seqs) else [list(x) for x in seqs]  # no copy of lists
+        return [str(t) for t in self.tokenizer.decode_batch(lists, skip_special_tokens=skip_special)]
 
     @property
     def vocab_size(self) -> int:
