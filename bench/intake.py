@@ -57,6 +57,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--holds", type=int, default=50, help="HoldsVersion messages measured per fleet size")
     parser.add_argument("--status", type=int, default=5, help="status writes measured per fleet size")
     parser.add_argument("--json", default=None, help="write results to this file")
+    parser.add_argument("--big-result-MB", type=float, default=0.0, dest="big_result_mb",
+                        help="instead: one result of this size, list form vs packed form (bench/intake_big.py)")
 
 
 def _stats(xs: list[float]) -> dict[str, float]:
@@ -313,6 +315,13 @@ def run(args: argparse.Namespace) -> int:
     import trio
 
     logging.getLogger("echo2").setLevel(logging.WARNING)
+    if getattr(args, "big_result_mb", 0.0) > 0:
+        from .intake_big import run_big
+
+        big = {"bench": "intake", "big_result": run_big(args.big_result_mb)}
+        if args.json:
+            Path(args.json).write_text(json.dumps(big, indent=2))
+        return 0
     sizes = [int(x) for x in str(args.nodes).split(",") if x.strip()]
     rows = []
     for n in sizes:

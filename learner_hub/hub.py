@@ -46,6 +46,7 @@ from echo2.protocol.messages import (
 )
 from echo2.protocol.net.control import ControlHost, address_key, remote_ip
 from echo2.protocol.net.dataplane import DataPlaneServer
+from echo2.protocol.packedresult import PackedResult
 from echo2.protocol.peerlimit import KeyedRateLimiter
 from echo2.protocol.wire import MAX_RESULT, WORK_POLL_S
 
@@ -104,6 +105,7 @@ class Hub:
         self.intake = Intake(
             self.dispatcher, TaskParams(cfg.group_size, cfg.max_new_tokens, cfg.temperature, cfg.top_p),
             vocab_size=self.tok.vocab_size, stop_ids=self.tok.stop_ids, decode=self.tok.decode,
+            decode_batch=self.tok.decode_batch,
         )
         # A3: replay state per admitted signer; admission requests (strangers) get a small pool that evicts
         self.replay, self.gossip_replay = envelope.PeerReplay(), envelope.PeerReplay(window_s=300.0, per_peer=256)
@@ -234,7 +236,9 @@ class Hub:
         return envelope.seal(self.identity, ErrorReply(code="no_work", message="no work right now"))
 
     async def on_result(self, peer: str, data: bytes) -> bytes:
-        r = envelope.open_envelope(data, Result, replay=self.replay, allowed=self._signed_by(peer), max_size=MAX_RESULT).message
+        # either wire form: the packed one (int32/float32 bytes, what nodes send) or the list one
+        r = envelope.open_envelope(data, (PackedResult, Result), replay=self.replay, allowed=self._signed_by(peer),
+                                   max_size=MAX_RESULT).message
         node = self.nodes[peer]
         now = node.last_seen = time.time()
         verdict = self.intake.judge(peer, r, now, self.learner.version)
@@ -277,7 +281,7 @@ class Hub:
         await pending.wait()
         return seal_receipt(self.identity, receipt)  # the node's proof of contribution (issue 19)
 
-    async def _eval_result(self, peer: str, r: Result, verdict: Accept, now: float, tokens: int) -> bytes:
+    async def _eval_result(self, peer: str, r: Result | PackedResult, verdict: Accept, now: float, tokens: int) -> bytes:
         """An accepted eval result: scored, recorded in its evaluation, never trained. The node
         did the work the hub asked for, so it is stored and credited like a rollout result
         (the ledger pays for eval rollouts too)."""

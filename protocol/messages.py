@@ -13,6 +13,7 @@ from typing import ClassVar
 
 from . import canonical
 from .hashing import digest
+from .packedresult import PackedCompletion, PackedResult
 from .schema import INT64_MAX as INT64_MAX
 from .schema import INT64_MIN as INT64_MIN
 from .schema import PEER_ID_MAX_LEN as PEER_ID_MAX_LEN
@@ -590,6 +591,7 @@ MESSAGE_TYPES: dict[str, type[Message]] = {
         AdmissionDecision,
         Task,
         Result,
+        PackedResult,
         TaskDecline,
         Manifest,
         BroadcastPlan,
@@ -606,7 +608,7 @@ MESSAGE_TYPES: dict[str, type[Message]] = {
     )
 }
 MESSAGE_TYPES_BY_DOMAIN: dict[str, type[Message]] = {c.DOMAIN: c for c in MESSAGE_TYPES.values()}
-RECORD_TYPES: tuple[type[Record], ...] = (*MESSAGE_TYPES.values(), Completion, ManifestChunk, TensorEntry)
+RECORD_TYPES: tuple[type[Record], ...] = (*MESSAGE_TYPES.values(), Completion, PackedCompletion, ManifestChunk, TensorEntry)
 
 
 def _check_specs() -> None:

@@ -53,6 +53,7 @@ from echo2.protocol.errors import Echo2Error
 from echo2.protocol.framing import RemoteError
 from echo2.protocol.messages import Completion, Result, Task, task_hash
 from echo2.protocol.net.control import ControlHost
+from echo2.protocol.packedresult import PackedResult
 from echo2.protocol.wire import MAX_CONTROL_REQUEST, RESULT
 
 log = logging.getLogger("hostile_node")
@@ -228,13 +229,13 @@ class HostileNode(Node):
         self._write_report()
 
     async def _forge(self, host: ControlHost, task: Task, sent: bytes) -> None:
-        original = envelope.open_envelope(sent, Result, replay=None).message
+        original = envelope.open_envelope(sent, (PackedResult, Result), replay=None).message
         # 1. the exact same bytes again
         await self._send(host, "replay_exact", sent, task.task_id)
         # 2. the same result under a fresh signature and nonce
         await self._send(host, "replay_resealed", envelope.seal(self.identity, original, ttl_s=600), task.task_id)
         # 3. a task id the hub never issued
-        fake = Result(
+        fake = type(original)(
             task_id=f"made-up-{time.time_ns()}",
             task_hash=task_hash(task),
             node_id=self.peer_id,
@@ -249,7 +250,7 @@ class HostileNode(Node):
         other = self._other_task_id(task.task_id)
         assert other is not None
         self.report["other_task_id"] = other
-        steal = Result(
+        steal = type(original)(
             task_id=other,
             task_hash=task_hash(task),
             node_id=self.peer_id,

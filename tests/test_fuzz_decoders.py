@@ -43,6 +43,7 @@ def corpus() -> list[bytes]:
         make_task(),
         make_announce(),
         make_result(),
+        messages.PackedResult("t-1", b"\x01" * 32, PEER, 3, [messages.PackedCompletion(0, b"\x05\x00\x00\x00", b"\x00\x00\x00\xbf", "stop")], NOW, 1.5, 1),
         make_manifest(),
         messages.Heartbeat(PEER, 5, [1, 2], 1, 3),
         messages.AdmissionRequest(PEER, "tok", make_announce()),

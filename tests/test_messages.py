@@ -80,6 +80,12 @@ def _fix_cross_fields(cls: type[Record], kw: dict[str, Any]) -> dict[str, Any]:
     if cls is Completion:
         n = min(len(kw["token_ids"]), len(kw["logprobs"]))
         kw["token_ids"], kw["logprobs"] = kw["token_ids"][:n], kw["logprobs"][:n]
+    if cls is messages.PackedCompletion:  # whole int32 ids (non-negative) and float32 log-probs in (-inf, 0]
+        import numpy as np
+
+        ids = np.frombuffer(kw["token_ids"][: len(kw["token_ids"]) // 4 * 4], dtype="<i4")
+        kw["token_ids"] = np.abs(ids.astype(np.int64)).clip(0, 2**31 - 1).astype("<i4").tobytes()
+        kw["logprobs"] = (-np.arange(len(ids), dtype="<f4") / 3).astype("<f4").tobytes()
     if cls is ManifestChunk:
         if kw["encoding"] == "delta" and kw["parent_raw_hash"] is None:
             kw["parent_raw_hash"] = b"\x07" * 32
@@ -193,7 +199,7 @@ def refused(cls: type[Record], wire: Any, match: str) -> None:
 
 def test_registry() -> None:
     expected = {
-        "announce", "heartbeat", "admission_request", "admission_decision", "task", "result",
+        "announce", "heartbeat", "admission_request", "admission_decision", "task", "result", "packed_result",
         "task_decline", "manifest", "broadcast_plan", "chunk_have", "chunk_request",
         "holds_version", "holds_challenge", "holds_proof", "relay_report", "error", "probe_reply", "receipt", "node_pause",
     }  # fmt: skip

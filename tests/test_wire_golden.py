@@ -64,6 +64,9 @@ def golden() -> dict[str, Any]:
         "admission_decision": m.AdmissionDecision(P[0], False, "full", "127.0.0.1:9", -1, 2),
         "task": task,
         "result": m.Result("t-1", m.task_hash(task), P[0], 3, comp, NOW, 1.5, 3),
+        "packed_result": m.PackedResult("t-1", m.task_hash(task), P[0], 3, [
+            m.PackedCompletion(0, bytes.fromhex("05000000" "06000000" "ffffff7f"), bytes.fromhex("000000bf" "0000a0bf" "00000080"), "stop"),
+            m.PackedCompletion(2**40, b"", b"", "length")], NOW, 1.5, 3),
         "task_decline": m.TaskDecline("t-1", b"\x01" * 32, P[0], "busy", "queue full"),
         "manifest": m.Manifest(
             4,
@@ -109,6 +112,7 @@ GOLDEN = {
     "admission_decision": ("d184a3086650e2a62f37fc08f655930146ba59af7aac7511ceb2af1ae227b9e2", 139),
     "task": ("ccca8ce23e8e582263b2a0e28c642ccd47876b77f638b028432e8ef56e420724", 273),
     "result": ("a7abb5eaa08922beb40a1bd1d8bb5c84d584116055727262341b77c92251bc1c", 340),
+    "packed_result": ("8a6717c6eb653557385553b3e8aed5fbdbc50eb30bb0ebff7bb9da612e583726", 338),  # issue 20 item 3, captured at its introduction
     "task_decline": ("5f2c11c724ec344497483cdb66a48dd8a28a77306acc007983f805fa79cf470f", 154),
     "manifest": ("1d93345fecb116871a98ebad7d0aa6c6079fba7b0a5727c789be6a357785172a", 70909),
     "broadcast_plan": ("5880f61f38a49ffcb1120c94e22f29c3f0730c3b408718e06f7f4bf4d2c7e76b", 785),

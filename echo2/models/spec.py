@@ -159,6 +159,11 @@ class TokenizerHandle:
     def decode(self, ids: list[int], skip_special: bool = True) -> str:
         return str(self.tokenizer.decode(list(ids), skip_special_tokens=skip_special))
 
+    def decode_batch(self, seqs: list[list[int]], skip_special: bool = True) -> list[str]:
+        """:meth:`decode` of many sequences in one call into the tokenizer."""
+        lists = seqs if all(type(x) is list for x in seqs) else [list(x) for x in seqs]  # no copy of lists
+        return [str(t) for t in self.tokenizer.decode_batch(lists, skip_special_tokens=skip_special)]
+
     @property
     def vocab_size(self) -> int:
         return int(self.tokenizer.get_vocab_size(with_added_tokens=True))
