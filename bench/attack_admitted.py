@@ -402,11 +402,16 @@ async def a9_dataplane_exhaust(ctx: Ctx) -> Effect:
     later = [plans.children_of(victim[0], p) for v, p in plans.plans.items() if v > stats.get("reported_at_version", 1 << 62)]
     rep0, rep1 = float(before.get("reputation", 1.0) or 0.0), float(after.get("reputation", 0.0) or 0.0)
     lost_children = stats["victim_children_before"] > 0 and bool(later) and max(later) == 0
-    demoted = (not after) or rep1 < rep0 - 1e-6 or lost_children
+    # Since A9's fix an accusation moves no score (reputation.record: RELAY_REPORTED records the
+    # reporter only; CORRUPT_RELAY, the hub's own evidence, bans): so the accusation demotes by a
+    # ban (gone from the fleet) or by taking the node's children. Its score can move for other
+    # reasons in the window (a task of it timing out: 0.908 -> 0.856 measured, children kept at 3),
+    # reported below but not counted as the accusation's effect.
+    demoted = (not after) or lost_children
     effect = {
         "honest_parent_demoted": demoted, "victim_before": {k: before.get(k) for k in ("reputation", "state")},
         "victim_after": {k: after.get(k) for k in ("reputation", "state")} if after else "gone from the fleet",
-        "victim_children_in_later_plans": later[-5:], "hub_rss_peak_growth_mib": round(peak.peak, 1),
+        "victim_reputation_change": round(rep1 - rep0, 4), "victim_children_in_later_plans": later[-5:], "hub_rss_peak_growth_mib": round(peak.peak, 1),
         "attacker": dict(stats), "accuser": dict(accuser.seen), "plans": dict(plans.stats),
     }
     if not stats["reports_accepted"] and not any(k.startswith("report:") for k in stats):
