@@ -74,9 +74,11 @@ def load_model(spec: str, cache_dir: Path | None = None) -> tuple[Any, str, dict
 
 def node_path(engine: Any, hub: Any, node: Any, task: Any, hub_guard: Any, node_guard: Any) -> tuple[Any, dict[str, float]]:
     """One task through the node's path; returns (completions, seconds per stage)."""
+    from echo2.node.taskloop import pack_completions
     from echo2.node.tasks import open_task
     from echo2.protocol import envelope
-    from echo2.protocol.messages import Result, task_hash
+    from echo2.protocol.messages import task_hash
+    from echo2.protocol.packedresult import PackedResult
     from echo2.protocol.wire import MAX_RESULT
 
     st: dict[str, float] = {}
@@ -93,12 +95,12 @@ def node_path(engine: Any, hub: Any, node: Any, task: Any, hub_guard: Any, node_
                             acc.task.temperature, acc.task.top_p, acc.task.seed)
     st["generate"] = time.perf_counter() - t
     t = time.perf_counter()
-    result = Result(
+    result = PackedResult(  # what the node sends (its token ids and log-probs packed)
         task_id=acc.task.task_id,
         task_hash=task_hash(acc.task),
         node_id=node.peer_id,
         version=int(engine.version),
-        completions=comps,
+        completions=pack_completions(comps),
         started_at=started,
         gen_seconds=st["generate"],
         tokens=sum(len(c.token_ids) for c in comps),
@@ -106,7 +108,7 @@ def node_path(engine: Any, hub: Any, node: Any, task: Any, hub_guard: Any, node_
     sealed = envelope.seal(node, result, ttl_s=600)
     st["result_seal"] = time.perf_counter() - t
     t = time.perf_counter()
-    v = envelope.open_envelope(sealed, Result, replay=hub_guard, allowed=lambda s, _t: s == node.peer_id, max_size=MAX_RESULT)
+    v = envelope.open_envelope(sealed, PackedResult, replay=hub_guard, allowed=lambda s, _t: s == node.peer_id, max_size=MAX_RESULT)
     st["result_open"] = time.perf_counter() - t
     assert v.message.task_id == task.task_id
     return comps, st

@@ -48,6 +48,7 @@ from echo2.protocol.messages import (
     Task,
     TaskDecline,
 )
+from echo2.protocol.packedresult import PackedResult
 from echo2.protocol.wire import DECLINE, RESULT
 
 HUB = Identity.generate()
@@ -62,7 +63,7 @@ class HubWire:
 
     async def request(self, peer: str, protocol: str, payload: bytes, **_kw: Any) -> bytes:
         assert peer == HUB.peer_id
-        kind = {DECLINE: TaskDecline, RESULT: Result}[protocol]
+        kind = {DECLINE: TaskDecline, RESULT: (PackedResult, Result)}[protocol]
         self.sent.append((protocol, envelope.open_envelope(payload, kind, replay=None, max_size=64 * MiB).message))
         return envelope.seal(HUB, ErrorReply(code="ok", message="noted"))
 

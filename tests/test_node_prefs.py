@@ -24,6 +24,7 @@ from echo2.node.versions import HeldVersion
 from echo2.protocol import envelope
 from echo2.protocol.identity import Identity
 from echo2.protocol.messages import ErrorReply, NodePause, Result, Task, TaskDecline
+from echo2.protocol.packedresult import PackedResult
 from echo2.protocol.wire import DECLINE, PAUSE, RESULT
 
 HUB = Identity.generate()
@@ -36,7 +37,7 @@ class HubWire:
         self.sent: list[tuple[str, Any]] = []
 
     async def request(self, peer: str, protocol: str, payload: bytes, **_kw: Any) -> bytes:
-        kind = {DECLINE: TaskDecline, RESULT: Result, PAUSE: NodePause}[protocol]
+        kind = {DECLINE: TaskDecline, RESULT: (PackedResult, Result), PAUSE: NodePause}[protocol]
         self.sent.append((protocol, envelope.open_envelope(payload, kind, replay=None, max_size=1 << 26).message))
         return envelope.seal(HUB, ErrorReply(code="ok", message="noted"))
 
