@@ -9,6 +9,7 @@ the final name; the directory is fsynced so the rename itself survives a power c
 from __future__ import annotations
 
 import os
+import threading
 from collections.abc import Callable
 from pathlib import Path
 from typing import BinaryIO
@@ -63,7 +64,10 @@ def atomic_write_path(
     """Like :func:`atomic_write_with` for writers that want a file name (``safetensors``'
     ``save_file``), not an open file: ``write(tmp_path)`` fills the temporary file."""
     p = Path(path)
-    tmp = p.parent / f"{TMP_PREFIX}{p.name}.{os.getpid()}"
+    # pid and thread: two threads of a node writing the same file at once (two version loads
+    # checking the model's fit) shared one temporary name, and the second replace found it gone
+    # (FileNotFoundError in a CI run of test_e2e_hostile)
+    tmp = p.parent / f"{TMP_PREFIX}{p.name}.{os.getpid()}.{threading.get_ident()}"
     try:
         write(tmp)
         os.chmod(tmp, mode)
