@@ -95,10 +95,15 @@ class ByteTable:
 
     data: npt.NDArray[np.uint8]
     offsets: npt.NDArray[np.int64]
-    lengths: npt.NDArray[np.int64] = field(init=False, repr=False, compare=False)
+    # int32 copies for the gather: half the memory traffic of int64 over 3.4 M tokens
+    lengths: npt.NDArray[np.int32] = field(init=False, repr=False, compare=False)
+    _starts: npt.NDArray[np.int32] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "lengths", np.diff(self.offsets))
+        if len(self.data) >= 1 << 31:
+            raise ValueError("token table over 2 GiB")
+        object.__setattr__(self, "lengths", np.diff(self.offsets).astype(np.int32))
+        object.__setattr__(self, "_starts", self.offsets[:-1].astype(np.int32))
 
     @property
     def vocab_size(self) -> int:
@@ -111,30 +116,40 @@ class ByteTable:
         np.cumsum(lengths, out=offsets[1:])
         return cls(np.frombuffer(b"".join(pieces), dtype=np.uint8).copy(), offsets)
 
-    def gather(self, ids: npt.NDArray[np.integer[Any]]) -> tuple[npt.NDArray[np.uint8], npt.NDArray[np.int64]]:
-        """The bytes of ``ids`` back to back, and the byte end of each token in them. Ids must be
+    def gather(self, ids: npt.NDArray[np.integer[Any]], bounds: npt.NDArray[np.int64]
+               ) -> tuple[npt.NDArray[np.uint8], npt.NDArray[np.int64]]:
+        """The bytes of ``ids`` back to back, and the byte offsets where the sequences that
+        ``bounds`` delimits (token offsets, as from :func:`concat_ids`) start and end. Ids must be
         in range (the caller checks)."""
+        ids = ids.astype(np.intp, copy=False)  # once: numpy would convert an int32 index at each use
         lens = self.lengths[ids]
-        ends = np.cumsum(lens)
-        if not len(ids) or not ends[-1]:
-            return np.zeros(0, np.uint8), ends
-        if lens.all():
-            starts = self.offsets[ids]
-        else:  # skipped specials and unknown ids add no bytes (and would collide below)
+        byte_bounds = np.zeros(len(bounds), dtype=np.int64)
+        nonempty = bounds[:-1] < bounds[1:]
+        if nonempty.any():
+            # each sequence's byte count; empty sequences are left out of reduceat (it would
+            # count the next token for them) and their 0 stays
+            seq_bytes = np.zeros(len(bounds) - 1, dtype=np.int64)
+            seq_bytes[nonempty] = np.add.reduceat(lens, bounds[:-1][nonempty], dtype=np.int64)
+            np.cumsum(seq_bytes, out=byte_bounds[1:])
+        if not byte_bounds[-1]:
+            return np.zeros(0, np.uint8), byte_bounds
+        if not lens.all():  # skipped specials and unknown ids add no bytes (and would collide below)
             keep = lens > 0
-            starts, lens = self.offsets[ids[keep]], lens[keep]
+            ids, lens = ids[keep], lens[keep]
+        starts = self._starts[ids]
         if int(lens.max()) == 1:  # the byte tokenizer, or a batch of one-byte tokens: a plain gather
-            return self.data[starts], ends
+            return self.data[starts], byte_bounds
         return np.concatenate([self._gather_chunk(starts[a:a + CHUNK_TOKENS], lens[a:a + CHUNK_TOKENS])
-                               for a in range(0, len(starts), CHUNK_TOKENS)]), ends
+                               for a in range(0, len(starts), CHUNK_TOKENS)]), byte_bounds
 
-    def _gather_chunk(self, starts: npt.NDArray[np.int64], lens: npt.NDArray[np.int64]) -> npt.NDArray[np.uint8]:
+    def _gather_chunk(self, starts: npt.NDArray[np.int32], lens: npt.NDArray[np.int32]) -> npt.NDArray[np.uint8]:
         # The source index of every output byte, built by a running sum: +1 inside a token, and at
         # each token's first output byte a jump from the previous token's last source byte to this
         # token's start. Two passes over the output (scatter, cumsum) instead of np.repeat's
-        # per-element loop: ~2x faster measured on SmolLM2 ids.
-        out_starts = np.cumsum(lens) - lens
-        src = np.ones(int(out_starts[-1] + lens[-1]), dtype=np.int64)
+        # per-element loop. int32 is exact: every partial sum is a source index (< 2^31, checked
+        # at construction) and every jump a difference of two.
+        out_starts = np.cumsum(lens, dtype=np.int64) - lens
+        src = np.ones(int(out_starts[-1] + lens[-1]), dtype=np.int32)
         src[0] = starts[0]
         src[out_starts[1:]] = starts[1:] - (starts[:-1] + lens[:-1] - 1)
         np.cumsum(src, out=src)
@@ -148,11 +163,9 @@ class ByteTable:
         ids, bounds = concat_ids(seqs)
         if ids.size and (int(ids.min()) < 0 or int(ids.max()) >= self.vocab_size):
             raise ValueError("token id outside the table")
-        data, ends = self.gather(ids)
-        # byte offset where each sequence ends: the end of its last token (0 before any token)
-        byte_bounds = np.concatenate(([0], ends))[bounds]
+        data, byte_bounds = self.gather(ids, bounds)
         buf = memoryview(data.tobytes())
-        return [lossy_utf8(buf[int(a):int(b)]) for a, b in itertools.pairwise(byte_bounds)]
+        return [lossy_utf8(buf[a:b]) for a, b in itertools.pairwise(byte_bounds.tolist())]
 
 
 def concat_ids(seqs: Sequence[IdSeq]) -> tuple[npt.NDArray[np.integer[Any]], npt.NDArray[np.int64]]:

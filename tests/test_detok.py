@@ -225,3 +225,18 @@ def test_smollm2_from_its_gguf_decodes_exactly() -> None:
     assert dec.kind == "table"
     seqs = random_seqs(tok, 300, seed=5)
     assert dec(seqs) == tok.decode_batch(seqs, skip_special_tokens=True)
+
+
+def test_chunked_gather_and_sequences_of_no_bytes(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The multi-byte gather cut into chunks (7 tokens here, 2^20 in use) joins exactly, and
+    sequences that decode to nothing (empty, only skipped specials) keep their place."""
+    tok = bpe_tokenizer()
+    dec = BatchDecoder(tok)
+    end, start = tok.token_to_id("<|im_end|>"), tok.token_to_id("<|im_start|>")
+    seqs = [[end], [], *random_seqs(tok, 60, seed=13), [start, end], [], [end, 5, end]]
+    want = tok.decode_batch(seqs, skip_special_tokens=True)
+    assert want[0] == want[1] == "" and want[-3] == want[-2] == ""
+    monkeypatch.setattr(detok, "CHUNK_TOKENS", 7)
+    assert dec(seqs) == want
+    assert dec([np.array(s, dtype=np.int32) for s in seqs]) == want
+    assert dec([[end], [start]]) == ["", ""]
