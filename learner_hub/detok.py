@@ -31,12 +31,15 @@ from __future__ import annotations
 
 import codecs
 import itertools
+import logging
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeAlias
 
 import numpy as np
 import numpy.typing as npt
+
+log = logging.getLogger(__name__)
 
 IdSeq: TypeAlias = "Sequence[int] | npt.NDArray[np.integer[Any]]"
 
@@ -247,14 +250,18 @@ def check_table(table: ByteTable, tokenizer: Any, *, skip_special: bool = True, 
 
 def byte_table(tokenizer: Any, *, skip_special: bool = True) -> ByteTable | None:
     """A checked table for ``tokenizer``, or None when it is not byte-level or any check fails
-    (the caller then decodes with the tokenizer)."""
+    (the caller then decodes with the tokenizer; the reason is logged)."""
     if not is_byte_level(tokenizer):
         return None
     try:
         table = build_table(tokenizer, skip_special=skip_special)
-        return None if check_table(table, tokenizer, skip_special=skip_special) is not None else table
-    except Exception:  # an exotic tokenizer this module does not know: the tokenizer decodes
+        why = check_table(table, tokenizer, skip_special=skip_special)
+    except Exception as exc:  # an exotic tokenizer this module does not know: the tokenizer decodes
+        why = f"{type(exc).__name__}: {exc}"
+    if why is not None:
+        log.info("byte-level tokenizer decodes itself: its byte table disagrees (%s)", why[:200])
         return None
+    return table
 
 
 class BatchDecoder:
