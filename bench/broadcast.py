@@ -77,6 +77,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--punch", action="store_true",
                         help="with --nat: NATed nodes in different homes are joined by TCP hole punching that the hub "
                              "coordinates (hub nat_punch; node/punch.py); a failed punch falls back to a reachable parent")
+    parser.add_argument("--isolate-homes", dest="isolate_homes", action="store_true",
+                        help="with --nat: home routers drop traffic to other homes (every punch fails: the fallback)")
     parser.add_argument("--netns", action="store_true",
                         help="real runs in network namespaces (root): hub and nodes each on a host whose upload the "
                              "kernel's tbf shapes at --link-MBps, no token bucket (bench/netns.py)")
@@ -229,6 +231,8 @@ async def _real_mode(mode: str, n: int, mbytes: float, link_MBps: float, hub_MBp
                 sender.node_info = lambda p: (PeerInfo(hello[p].data_addr, hello[p].upload_Bps, reachable.get(p, False))
                                               if p in hello else None)
                 log.info("dial-back: %d of %d nodes reachable", sum(reachable.values()), len(reachable))
+            # NATed nodes whose hub link came from their listen port unchanged (their NAT keeps it)
+            punchable = sum(1 for p, v in reachable.items() if not v and sender.punch_addr_of(p)) if punch else 0
             await publisher.publish(1, state)
             sender.notify()
             limit = 20 * mbytes / min(link_MBps, hub_MBps) * max(1.0, n / 4) + 60
@@ -264,6 +268,7 @@ async def _real_mode(mode: str, n: int, mbytes: float, link_MBps: float, hub_MBp
         "nat_sent_bytes": sum(int(peer_sent.get(p, 0)) for p, v in reachable.items() if not v),
         # hole punching (--punch): NAT<->NAT pairs planned, punched, and fallen back to other parents
         "punch": punch,
+        "punchable_nodes": punchable,
         "punch_planned": int(m.get("punch_planned", 0)),
         "punched": int(m.get("punched", 0)),
         "punch_fallbacks": int(m.get("punch_fallbacks", 0)),
@@ -293,7 +298,8 @@ def run_real(args: argparse.Namespace) -> list[dict[str, object]]:
 
                     # a fresh LAN per row: host 0 is the hub, hosts 1..n the nodes
                     homes = frozenset(range(n + 1 - args.nat, n + 1))  # the last --nat nodes
-                    with Net(n + 1, args.link_MBps, nat=homes) as net, net.inside(0):
+                    with Net(n + 1, args.link_MBps, nat=homes, isolate_homes=getattr(args, "isolate_homes", False)) as net, \
+                            net.inside(0):
                         row = trio.run(_real_mode, mode, n, args.mbytes, args.link_MBps, hub_MBps, chunk, root,
                                        180.0, net, bool(getattr(args, "punch", False)))
                 else:
@@ -400,7 +406,8 @@ def run(args: argparse.Namespace) -> int:
             print(f"{'':<10} {nat_n} NATed nodes (dial-back failed) uploaded {int(r['nat_sent_bytes']) / 1e6:.1f} MB, "  # type: ignore[call-overload]
                   f"{int(r['nat_sent_bytes']) / nat_n / 1e6:.1f} MB each")  # type: ignore[call-overload]
             if r.get("punch"):
-                print(f"{'':<10} hole punching: {r['punch_planned']} NAT<->NAT pairs planned, {r['punched']} punched, "
+                print(f"{'':<10} hole punching: {r['punchable_nodes']} NATed nodes kept their listen port; "
+                      f"{r['punch_planned']} NAT<->NAT pairs planned, {r['punched']} punched, "
                       f"{r['punch_fallbacks']} fell back to other parents")
     if args.json:
         nodes: object = args.nodes[0] if len(args.nodes) == 1 else args.nodes

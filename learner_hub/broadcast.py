@@ -160,10 +160,10 @@ class PipelinedSender(HubSide):
                 out.append(NodeInfo(peer, 0.0, False))  # unknown or untrusted: a leaf everywhere
             else:
                 reach = info.reachable and bool(info.data_addr)
-                out.append(NodeInfo(peer, info.upload_Bps, reach, punchable=not reach and bool(self._punch_addr(peer))))
+                out.append(NodeInfo(peer, info.upload_Bps, reach, punchable=not reach and bool(self.punch_addr_of(peer))))
         return out
 
-    def _punch_addr(self, peer: str) -> str:
+    def punch_addr_of(self, peer: str) -> str:
         """The public ip:port a hole can be punched to at ``peer`` (links.punch_addr), or ""."""
         link, hello = self.links.get(peer), self.hello.get(peer)
         if not self.nat_punch or link is None or hello is None:
@@ -181,7 +181,7 @@ class PipelinedSender(HubSide):
             addrs[self.hub] = self.data_addr
         # the two ends of every NAT<->NAT edge: where the other end punches to (node.punch)
         ends = {n for _s, p, c in plan.punch_edges() for n in (p, c)}
-        punch = {n: pa for n in sorted(ends) if (pa := self._punch_addr(n))}
+        punch = {n: pa for n in sorted(ends) if (pa := self.punch_addr_of(n))}
         keys = set(nodes) | {self.hub}
         msg = BroadcastPlan(
             version=plan.version,

@@ -51,7 +51,7 @@ from .relay_state import PunchEdge
 
 log = logging.getLogger(__name__)
 
-PUNCH_WINDOW_S = 8.0  # covers SYN retransmits at +1 and +3 s: the two ends may start ~3 s apart
+PUNCH_WINDOW_S = 4.0  # SYNs at +0, +1 and +3 s (kernel retransmits): the two ends may start ~3 s apart
 RETRY_PAUSE_S = 0.25  # after a connect error (RST, unreachable) before the next SYN
 
 
@@ -98,6 +98,18 @@ async def bound_stream(local_host: str, local_port: int, addr: str) -> trio.Sock
         sock.close()
         raise
     return trio.SocketStream(sock)
+
+
+async def hub_stream(local_host: str, local_port: int, hub_addr: str, timeout_s: float) -> tuple[trio.SocketStream | None, int]:
+    """The node's hub link leaving from our listen port (the hub then sees the port our NAT maps
+    it to) and that port, for the hello; ``(None, 0)`` if that fails (an ordinary dial follows:
+    e.g. the same 4-tuple still in TIME_WAIT after a reconnect)."""
+    try:
+        with trio.fail_after(timeout_s):
+            return await bound_stream(local_host, local_port, hub_addr), local_port
+    except (OSError, trio.TooSlowError, Echo2Error) as exc:
+        log.info("hub link from our listen port failed (%r); dialling from any port", exc)
+        return None, 0
 
 
 async def punch_stream(local_host: str, local_port: int, addr: str, window_s: float = PUNCH_WINDOW_S) -> trio.SocketStream:
@@ -156,6 +168,7 @@ async def punch_link(
     try:
         stream = await punch_stream(server.host, server.port, edge.addr, window_s)
     except (PunchFailed, OSError) as exc:
+        log.warning("hole punch to %s at %s failed: %s", edge.peer, edge.addr, exc)
         return out(False, str(exc))
     log.info("punched a hole to %s at %s in %.2fs (%s)", edge.peer, edge.addr, trio.current_time() - t0,
              "dialer" if edge.dialer else "listener")
@@ -176,4 +189,4 @@ async def punch_link(
     return out(False, "no authenticated link on the punched connection (handshake refused or timed out)")
 
 
-__all__ = ["PUNCH_WINDOW_S", "PunchFailed", "PunchOutcome", "bound_stream", "punch_link", "punch_stream"]
+__all__ = ["PUNCH_WINDOW_S", "PunchFailed", "PunchOutcome", "bound_stream", "hub_stream", "punch_link", "punch_stream"]

@@ -166,7 +166,7 @@ class RelayNode:
         )
         self._dialing: dict[str, trio.Event] = {}
         self._punching: set[str] = set()
-        self.punches: list[punch.PunchOutcome] = []
+        self.punches: deque[punch.PunchOutcome] = deque(maxlen=256)  # the latest outcomes, for inspection
         self._pending: dict[str, dict[tuple[int, int], None]] = {}  # peer -> sends waiting for its link
         self.gate = PeerGate(self.me, hub_peer)
         self.bc: Broadcast | None = None
@@ -221,16 +221,9 @@ class RelayNode:
             await trio.sleep(delay)
 
     async def _hub_stream(self) -> tuple[trio.SocketStream | None, int]:
-        """With ``punch``: a hub link leaving from our listen port (the hub sees its NAT mapping,
-        node.punch), and that port for the hello; else (or if that fails) an ordinary dial."""
         if not self.cfg.punch:
             return None, 0
-        try:
-            with trio.fail_after(self.cfg.connect_timeout_s):
-                return await punch.bound_stream(self.server.host, self.server.port, self.hub_addr), self.server.port
-        except (OSError, trio.TooSlowError, Echo2Error) as exc:
-            log.info("hub link from our listen port failed (%r); dialling from any port", exc)
-            return None, 0
+        return await punch.hub_stream(self.server.host, self.server.port, self.hub_addr, self.cfg.connect_timeout_s)
 
     async def _punch(self, version: int, edge: PunchEdge) -> None:
         """Punch a hole to a NAT-bound plan peer (node.punch) and tell the hub how it went: on a
@@ -246,8 +239,6 @@ class RelayNode:
         finally:
             self._punching.discard(edge.peer)
         self.punches.append(res)
-        if not res.ok:
-            log.warning("hole punch to %s at %s failed: %s", edge.peer, edge.addr, res.why)
         hub = self.links.get(self.hub_peer)
         if hub is not None:
             try:

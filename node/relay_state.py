@@ -33,7 +33,7 @@ class RelayConfig:
     # hole punching (node.punch): the listen port is shared (SO_REUSEPORT), the hub link leaves
     # from it (so the hub sees its NAT mapping), and plan edges to NAT-bound peers are punched
     punch: bool = False
-    punch_window_s: float = 8.0
+    punch_window_s: float = 4.0  # a failed punch is reported after it (the child then moves)
 
 
 @dataclass

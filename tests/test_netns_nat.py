@@ -115,6 +115,22 @@ def test_nated_nodes_in_two_homes_relay_to_each_other_over_a_punched_hole(tmp_pa
     (bulk data never goes through a relay; the hub takes no chunks from nodes)."""
     row = _bench(tmp_path, "--netns", "--nat", "2", "--nodes", "2", "--mbytes", "8", "--link-MBps", "8", "--punch")
     assert row["nodes"] == 2 and row["nat_nodes"] == 2  # the hub's dial-back found both homes
+    assert row["punchable_nodes"] == 2  # MASQUERADE kept each home's listen port: the hub saw it on the hub link
     assert row["punch_planned"] == 1 and row["punched"] == 1 and row["punch_fallbacks"] == 0
     assert row["nat_sent_bytes"] >= 0.3 * 8e6 * 2  # NATed parents uploaded to NATed children
     assert float(row["hub_sent_bytes"]) < 1.5 * 8e6  # type: ignore[arg-type]  # the hub did not send it twice
+
+
+@pytest.mark.slow
+@pytest.mark.ci  # about 12 s here
+def test_failed_punch_falls_back_to_a_direct_parent_never_a_relay(tmp_path: Path) -> None:
+    """The same two homes, but their routers drop what goes to the other home (a firewall, a
+    carrier-grade NAT): the punch fails within its window, the nodes tell the hub, the hub moves
+    the child of that edge to a direct parent (here the hub: no reachable relay exists) and reports
+    the fallback; every node still verifies the version (the bench waits for every signed holds
+    report) and not a byte passed between the homes."""
+    row = _bench(tmp_path, "--netns", "--nat", "2", "--nodes", "2", "--mbytes", "24", "--link-MBps", "8", "--punch",
+                 "--isolate-homes")
+    assert row["punch_planned"] == 1 and row["punched"] == 0 and row["punch_fallbacks"] == 1
+    assert row["nat_sent_bytes"] == 0  # nothing between the homes, and nothing through any relay
+    assert float(row["hub_sent_bytes"]) >= 2 * 24e6  # type: ignore[arg-type]  # each node got it from the hub
