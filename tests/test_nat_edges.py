@@ -163,3 +163,31 @@ def test_punch_report_wire() -> None:
     assert decode_request(encode_request(REQ_HELLO, addr="a:1", up=1.0, lport=4001))[1]["lport"] == 4001
     with pytest.raises(SchemaError):
         decode_request(encode_request(REQ_HELLO, addr="a:1", up=1.0, lport=70000))
+
+
+def test_random_fleets_with_punching_keep_the_plan_invariants_through_repairs() -> None:
+    import random
+
+    from echo2.learner_hub.planner import replan
+
+    punched = 0
+    for seed in range(30):
+        rng = random.Random(seed)
+        nodes = [NodeInfo(f"x{i:02d}", rng.choice([2, 8, 20, 60]) * MBPS, rng.random() < 0.4,
+                          punchable=rng.random() < 0.8) for i in range(rng.randint(2, 40))]
+        plan = plan_broadcast(1, 10 * MBPS, nodes, rng.choice([4, 64, 300]), hub="hub", nat_punch=True,
+                              stripes=rng.choice([None, 1, 3]))
+        check_plan(plan)
+        for _s, p, c in plan.punch_edges():
+            assert plan.can_punch(p, c)
+        edges = plan.punch_edges()
+        punched += bool(edges)
+        if edges:
+            _s, p, c = edges[rng.randrange(len(edges))]
+            plan, _ = unpunch(plan, p, c)
+            check_plan(plan)
+        left = rng.sample([n.node_id for n in nodes], k=min(3, len(nodes) - 1))
+        joined = [NodeInfo("j1", 8 * MBPS, False, punchable=True), NodeInfo("j2", 8 * MBPS, True)]
+        plan = replan(plan, left=left, joined=joined)
+        check_plan(plan)
+    assert punched >= 5  # the fleets did make NAT<->NAT edges
