@@ -123,7 +123,7 @@ class Hub:
         info: Callable[[str], PeerInfo | None] = lambda peer: self.fleet.peer_info(peer)  # noqa: E731 (fleet comes later)
         self.sender = (
             PipelinedSender(self.publisher, self.identity, hub_upload_MBps=cfg.upload_limit_MBps, node_info=info,
-                            nat_relay=cfg.nat_relay)
+                            nat_relay=cfg.nat_relay, nat_punch=cfg.nat_punch)
             if cfg.broadcast == "pipelined" else StarWithHolds(StarSender(self.publisher), node_info=info)
         )
         # operator state: DIR/hub.sqlite (through the store's own thread), checkpoints in DIR/checkpoints
