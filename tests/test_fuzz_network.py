@@ -207,6 +207,9 @@ def test_fuzz_bench_against_a_real_swarm(tmp_path: Path) -> None:
     assert report["honest_tasks_during_attack"] > 0, report
     saw = report["refusals_by_reason"]["attackers_saw"]
     assert sum(v for k, v in saw.items() if k.startswith("control:") and k != "control:accepted") > 20, saw
-    assert any("rate_limited" in k for k in saw), saw
+    # throttled: a reply saying so, or (a stranger past its address's stream rate is reset
+    # unnegotiated and its connection closed, A3/A11) the hub's own count of it
+    hub = report["refusals_by_reason"]["hub_status"]
+    assert any("rate_limited" in k for k in saw) or any("rate_limited" in k and v > 0 for k, v in hub.items()), (saw, hub)
     assert report["refusals_by_reason"]["hub_status"], report
     assert report["hub_rss_growth_MB"] < 500, report

@@ -37,8 +37,10 @@ holds open at once (``too_many_streams``), request bodies are charged as they ar
 budgets per peer (trusted peers, as :attr:`ControlHost.is_trusted` says) or per peer, per IP and
 over all strangers (``busy``), a body slower than a minimum rate is cut (``too_slow``), each
 remote IP may hold a bounded number of connections (the excess is closed), a remote IP whose
-peers are not admitted may open only so many new streams per second (the excess is reset before
-its protocol is even negotiated), and gossip is
+peers are not admitted may open only so many new connections per second and hold only so many
+mid-handshake (the excess is closed before the Noise handshake) and only so many new streams per
+second (the excess is reset before its protocol is even negotiated, and its connection closed),
+and gossip is
 rate-limited per origin and topic. Refusals are counted in ``refusals`` by code; their log lines
 are thinned under a flood (:class:`LogThrottle`).
 """
@@ -64,6 +66,7 @@ from ..backoff import backoff_delay
 from ..errors import Echo2Error, HandshakeError, Timeout, TransportError
 from ..identity import Identity
 from ..peerlimit import ByteBudget, ConcurrencyLimiter, KeyedRateLimiter, LogThrottle, address_key
+from .conngate import InboundGate
 from .gossip import Gossip, GossipConfig, start_gossip
 from .libp2p_host import (
     build_host,
@@ -126,10 +129,19 @@ class RequestLimits:
     # New inbound streams per second of an address's peers not admitted (all protocols, identify
     # and gossip included), counted before the protocol is negotiated: fresh peer IDs are free, so
     # the per-peer rate does not bound a flood of them, and multistream negotiation, the body and
-    # the signature check were most of what such a stream cost the hub (A3/A11). An honest
-    # joining node opens a handful.
-    stranger_streams_per_ip_s: float = 20.0
+    # the signature check were most of what such a stream cost the hub (A3/A11). 5/s (was 20/s):
+    # a joining node opens a handful (identify, admission, gossip), then is admitted and exempt;
+    # each stranger stream served cost the host ~4 ms of CPU, the most of a flood's bill.
+    stranger_streams_per_ip_s: float = 5.0
     stranger_streams_burst: float = 40.0
+    # Inbound connections, gated per IP before the security handshake (:mod:`.conngate`, with the
+    # measured costs): a stranger connection whose streams break the per-IP stream rate is also
+    # closed, so a flood's next connection meets that gate.
+    stranger_conns_per_ip_s: float = 2.0
+    stranger_conns_burst: float = 20.0
+    max_pending_per_ip: int = 16
+    refused_hold_s: float = 5.0
+    max_held_per_ip: int = 64
     gossip_rate_per_s: float = 10.0  # messages per origin and topic handed to the handler
     gossip_burst: float = 30.0
     max_tracked_peers: int = 100_000
@@ -220,13 +232,17 @@ class ControlHost(RequestResponse, Gossip):
         self._stranger_stream_rate = KeyedRateLimiter(
             lim.stranger_streams_per_ip_s, lim.stranger_streams_burst, max_keys=lim.max_tracked_peers
         )
+        self._inbound = InboundGate(lim, trusted_ip=self._ip_trusted, ip_conns=lambda ip: self._ip_conns[ip],
+                                    refuse=self._refuse)
+        self._closing: set[int] = set()  # id(muxed conn) of stranger connections being closed
         self._trusted_bytes = ByteBudget(lim.max_inflight_per_peer, lim.max_inflight_bytes)
         self._stranger_peer_bytes = ByteBudget(lim.stranger_inflight_per_peer, lim.stranger_inflight_bytes)
         self._stranger_ip_bytes = ByteBudget(lim.stranger_inflight_per_ip, lim.stranger_inflight_bytes)
         #: Whom the owner has admitted (the hub: its nodes; a node: its hub); None trusts everyone.
         self.is_trusted: TrustPredicate | None = None
-        self._conn_ips: dict[int, str] = {}  # id(conn) -> remote IP, for connections we counted
+        self._conn_ips: dict[int, tuple[str, str]] = {}  # id(conn) -> (remote IP, peer), connections we counted
         self._ip_conns: collections.Counter[str] = collections.Counter()
+        self._ip_peers: dict[str, collections.Counter[str]] = {}  # remote IP -> its connected peers
         self._log = LogThrottle(logger, self.limits.log_lines_per_s)
         self._keypair = keypair_from_identity(identity)
         self._host: IHost | None = None
@@ -255,6 +271,7 @@ class ControlHost(RequestResponse, Gossip):
         )
         self._host = host
         host.get_network().register_notifee(_ConnNotifee(self))
+        self._inbound.install(host)
         self._gate_streams(host)
         try:
             async with host.run([listen]):
@@ -368,8 +385,29 @@ class ControlHost(RequestResponse, Gossip):
                 await negotiate(stream)
             else:
                 await quiet_close(stream, reset=True)
+                await self._close_stranger(stream.muxed_conn)
 
         net.set_stream_handler(gate)
+
+    async def _close_stranger(self, muxed_conn: Any) -> None:
+        """Close a stranger's connection whose streams broke its address's rate: on a kept
+        connection each further stream, even reset unnegotiated, cost ~2 ms (A3/A11); a new one
+        must pass the accept gate first."""
+        key = id(muxed_conn)
+        if key in self._closing:
+            return
+        self._closing.add(key)
+        try:
+            with trio.CancelScope(shield=True), trio.move_on_after(2.0):
+                await muxed_conn.close()
+        except Exception as exc:
+            logger.debug("closing a stranger's connection failed: %r", exc)
+        finally:
+            self._closing.discard(key)
+
+    def _ip_trusted(self, ip: str) -> bool:
+        peers = self._ip_peers.get(ip)
+        return peers is not None and any(self.trusts(p) for p in peers)
 
     def _stream_allowed(self, stream: INetStream) -> bool:
         try:
@@ -390,19 +428,28 @@ class ControlHost(RequestResponse, Gossip):
             self._refuse("too_many_connections", peer, "connect",
                          f"more than {self.limits.max_connections_per_ip} connections from {ip}")
             return False
-        self._conn_ips[id(conn)] = ip
+        self._conn_ips[id(conn)] = (ip, peer)
         self._ip_conns[ip] += 1
+        self._ip_peers.setdefault(ip, collections.Counter())[peer] += 1
         return True
 
     def _uncount_connection(self, conn: INetConn) -> None:
-        ip = self._conn_ips.pop(id(conn), None)
-        if ip is None:
+        counted = self._conn_ips.pop(id(conn), None)
+        if counted is None:
             return
+        ip, peer = counted
         left = self._ip_conns[ip] - 1
         if left > 0:
             self._ip_conns[ip] = left
         else:
             self._ip_conns.pop(ip, None)
+        peers = self._ip_peers.get(ip)
+        if peers is not None:
+            peers[peer] -= 1
+            if peers[peer] <= 0:
+                del peers[peer]
+            if not peers:
+                del self._ip_peers[ip]
 
     def remote_ip(self, peer_id: str) -> str | None:
         """The IP address ``peer_id`` is connected from (its first live connection), if any."""
