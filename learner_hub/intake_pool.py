@@ -1,0 +1,285 @@
+"""Intake workers (``intake_workers = N`` in hub.toml): the stateless half of a Result's intake
+(signature, decode, checks, detokenising, reward functions) in N processes, so that neither a
+large result's per-token work nor a slow reward function holds the hub's trio loop.
+
+One API for both modes, ``await pool.check(raw, ctx) -> Checked``:
+
+* ``N = 0``: :func:`.intake_check.examine` runs in the hub process, on the loop, as it always
+  did; rewards are left to the hub's :class:`.rewards.RewardRunner` (threads) after the
+  dispatcher accepts.
+* ``N > 0``: the raw frame and a small header (the peer, its tasks in flight, the trainer state)
+  go to the least busy worker over a socket (:mod:`.intake_worker`); the worker examines it and,
+  when it answers one of the peer's tasks, scores it. The hub then applies the stateful half
+  (replay nonce, task book, dispatcher, store) to the compact findings.
+
+Hostile input is bounded: at most ``per_worker`` results wait on a worker and ``per_peer`` results
+of one peer are in the pool at once; beyond that the answer is ``busy`` (a node retries it). A
+worker that dies or hangs past its deadline is killed and restarted, and the result it held is
+refused as ``busy`` with the reason (the node sends it again; its nonce was never recorded), so
+no result is lost silently. :meth:`IntakePool.close` stops every worker (the hub's stop); a worker
+also exits by itself when the hub's end of its socket closes.
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing
+import pickle
+import socket
+import struct
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass
+from multiprocessing.process import BaseProcess
+from typing import Any
+
+import trio
+
+from echo2.protocol.errors import ProtocolError
+
+from .config import ConfigError, HubConfig
+from .intake import Intake
+from .intake_check import Findings, error_from_wire, examine
+from .intake_worker import CheckContext, Reply, WorkerSpec, main
+from .recipe import Recipe
+from .rewards import Scored
+
+log = logging.getLogger(__name__)
+
+_LEN = struct.Struct("<II")
+_ONE = struct.Struct("<I")
+#: a worker's answer beyond its reward deadline by this much means it is stuck outside the reward
+#: functions (their own timeout already bounds them): it is killed and restarted
+REPLY_SLACK_S = 30.0
+#: how long a spawned worker may take to load (it imports the tokenizer's modules and the
+#: operator's reward code; measured ~2 s on the shared 2-core machine)
+READY_TIMEOUT_S = 120.0
+
+
+class IntakeBusy(ProtocolError):
+    """The hub's intake cannot take this result right now (a node retries it)."""
+
+    code = "busy"
+
+
+@dataclass(frozen=True)
+class Checked:
+    """A frame's findings, with its rewards when an intake worker scored it."""
+
+    findings: Findings
+    scored: Scored | None = None
+    failures: tuple[tuple[str, str, str], ...] = ()
+
+
+class _Worker:
+    """One worker slot: its process (replaced on a restart), the hub's end of its socket, and the
+    lock and queue count that outlive restarts."""
+
+    def __init__(self, index: int, spec: WorkerSpec) -> None:
+        self.index, self.spec = index, spec
+        self.queued = 0
+        self.lock: trio.Lock | None = None
+        self.spawn()
+
+    def spawn(self) -> None:
+        self.stream: trio.SocketStream | None = None
+        self.ready = False
+        self.sock, child = socket.socketpair()
+        ctx = multiprocessing.get_context("spawn")  # the hub has torch and threads: fork is unsafe
+        self.proc: BaseProcess = ctx.Process(target=main, args=(child, self.spec), daemon=True,
+                                             name=f"echo2-intake-{self.index}")
+        self.proc.start()
+        child.close()
+
+    def wait_ready_sync(self, timeout: float) -> None:
+        """The worker's ready frame, read before any trio wrapper exists (hub start-up)."""
+        self.sock.settimeout(timeout)
+        try:
+            head = _recv_exact_sync(self.sock, _ONE.size)
+            if head is None:
+                raise ConfigError(f"intake worker {self.index} exited while loading (exit code {self.proc.exitcode})")
+            (n,) = _ONE.unpack(head)
+            if n:
+                msg = (_recv_exact_sync(self.sock, n) or b"").decode(errors="replace")
+                raise ConfigError(f"intake worker {self.index} could not load the tokenizer or reward functions: {msg}")
+        except TimeoutError as exc:
+            raise ConfigError(f"intake worker {self.index} not ready after {timeout:.0f} s") from exc
+        finally:
+            self.sock.settimeout(None)
+        self.ready = True
+
+    async def wait_ready(self, timeout: float) -> None:
+        await trio.to_thread.run_sync(self.wait_ready_sync, timeout)
+
+    def trio_stream(self) -> trio.SocketStream:
+        if self.stream is None:
+            self.stream = trio.SocketStream(trio.socket.from_stdlib_socket(self.sock))
+        return self.stream
+
+    def stop(self, grace_s: float = 2.0) -> None:
+        """Close the hub's end (the worker sees EOF and exits), then make sure it is gone."""
+        try:
+            self.sock.close()
+        except OSError:
+            pass
+        self.proc.join(grace_s)
+        if self.proc.is_alive():
+            self.proc.terminate()
+            self.proc.join(1.0)
+        if self.proc.is_alive():
+            self.proc.kill()
+            self.proc.join(1.0)
+
+
+def _recv_exact_sync(sock: socket.socket, n: int) -> bytes | None:
+    buf, got = bytearray(n), 0
+    view = memoryview(buf)
+    while got < n:
+        k = sock.recv_into(view[got:])
+        if k == 0:
+            return None
+        got += k
+    return bytes(buf)
+
+
+async def _recv_exact(stream: trio.SocketStream, n: int) -> bytes | None:
+    parts, got = [], 0
+    while got < n:
+        b = await stream.receive_some(min(n - got, 1 << 20))
+        if not b:
+            return None
+        parts.append(b)
+        got += len(b)
+    return b"".join(parts)
+
+
+class IntakePool:
+    """``workers`` intake processes (0: the checks run in this process)."""
+
+    def __init__(self, workers: int, spec: WorkerSpec, decode_batch: Callable[[list[list[int]]], list[str]], *,
+                 per_worker: int = 8, per_peer: int = 4) -> None:
+        self.spec, self.decode_batch = spec, decode_batch
+        self.per_worker, self.per_peer = per_worker, per_peer
+        self.reply_timeout_s = spec.reward_timeout_s + REPLY_SLACK_S
+        self._peers: Counter[str] = Counter()
+        self.refused: Counter[str] = Counter()  # busy answers by reason (status)
+        self.restarts = 0
+        self.checked = 0  # frames examined (whatever the finding)
+        self._closed = False
+        self._workers = [_Worker(i, spec) for i in range(workers)]
+
+    @property
+    def workers(self) -> int:
+        return len(self._workers)
+
+    def pids(self) -> list[int]:
+        return [w.proc.pid for w in self._workers if w.proc.pid is not None]
+
+    def wait_ready(self, timeout: float = READY_TIMEOUT_S) -> None:
+        """Block until every worker has loaded (start-up: a bad spec is a ConfigError here)."""
+        for w in self._workers:
+            if not w.ready:
+                w.wait_ready_sync(timeout)
+
+    async def check(self, raw: bytes, ctx: CheckContext) -> Checked:
+        """The findings on ``raw`` (a Result envelope ``ctx.peer``'s connection sent). Raises the
+        envelope's Echo2Error, or IntakeBusy when the pool cannot take it now."""
+        if not self._workers:
+            self.checked += 1
+            return Checked(examine(raw, ctx.peer, ctx.tasks, self.spec.limits, self.decode_batch))
+        if self._closed:
+            raise self._busy("stopping", "the hub is stopping")
+        if self._peers[ctx.peer] >= self.per_peer:
+            raise self._busy("per_peer", f"{self.per_peer} results of this node are already being checked; retry later")
+        w = min(self._workers, key=lambda x: x.queued)
+        if w.queued >= self.per_worker:
+            raise self._busy("queue_full", "every intake worker's queue is full; retry later")
+        self._peers[ctx.peer] += 1
+        w.queued += 1
+        try:
+            reply = await self._ask(w, raw, ctx)
+        finally:
+            w.queued -= 1
+            self._peers[ctx.peer] -= 1
+            if self._peers[ctx.peer] <= 0:
+                del self._peers[ctx.peer]
+        self.checked += 1
+        if reply.error is not None:
+            raise error_from_wire(*reply.error)
+        assert reply.findings is not None
+        return Checked(reply.findings, reply.scored, reply.failures)
+
+    async def _ask(self, w: _Worker, raw: bytes, ctx: CheckContext) -> Reply:
+        w.lock = w.lock or trio.Lock()
+        header = pickle.dumps(ctx, protocol=pickle.HIGHEST_PROTOCOL)
+        # shielded: a request half sent or an answer half read would leave the stream out of step;
+        # the deadline still bounds it (a worker past it is restarted)
+        with trio.CancelScope(shield=True):
+            async with w.lock:
+                if w.proc.exitcode is not None:  # died while idle: a fresh one takes this result
+                    self._restart(w, f"exited with code {w.proc.exitcode} while idle")
+                reply: Reply | None = None
+                why = "timed out"
+                with trio.move_on_after(self.reply_timeout_s + (0 if w.ready else READY_TIMEOUT_S)):
+                    try:
+                        if not w.ready:
+                            await w.wait_ready(READY_TIMEOUT_S)
+                        stream = w.trio_stream()
+                        await stream.send_all(_LEN.pack(len(header), len(raw)) + header)
+                        await stream.send_all(raw)
+                        head = await _recv_exact(stream, _ONE.size)
+                        body = await _recv_exact(stream, _ONE.unpack(head)[0]) if head is not None else None
+                        if body is not None:
+                            reply = pickle.loads(body)  # from our own worker process
+                        else:
+                            why = "died"
+                    except (trio.BrokenResourceError, trio.ClosedResourceError, OSError, ConfigError) as exc:
+                        why = f"died ({type(exc).__name__})"
+                if reply is not None:
+                    return reply
+                code = w.proc.exitcode
+                self._restart(w, f"{why} while checking a result of {ctx.peer} (exit code {code})")
+                raise self._busy("worker_died", f"the intake worker {why} while checking this result; it was "
+                                                "restarted: send the result again")
+
+    def _restart(self, w: _Worker, why: str) -> None:
+        log.warning("intake worker %d %s: restarting it", w.index, why)
+        w.stop(grace_s=0.5)
+        self.restarts += 1
+        w.spawn()  # whoever waits on the slot's lock is served by the new process
+
+    def _busy(self, reason: str, message: str) -> IntakeBusy:
+        self.refused[reason] += 1
+        return IntakeBusy(message)
+
+    def close(self) -> None:
+        """Stop every worker (idempotent): the hub's stop leaves no process behind."""
+        self._closed = True
+        for w in self._workers:
+            w.stop()
+
+    def report(self) -> dict[str, Any]:
+        return {"workers": self.workers, "checked": self.checked, "restarts": self.restarts,
+                "busy_by_reason": dict(self.refused), "queued": sum(w.queued for w in self._workers),
+                "pids": self.pids()}
+
+
+def worker_spec(cfg: HubConfig, recipe: Recipe, artifacts: dict[str, bytes], intake: Intake) -> WorkerSpec:
+    """What a worker needs to rebuild the hub's tokenizer and reward functions. Reward functions
+    travel as specs: strings, a verifiers environment id, or module-level functions (pickled by
+    reference); a function that cannot (a lambda, a closure) is a ConfigError with workers on."""
+    funcs: list[Any] = [] if cfg.environment else list(recipe.reward_funcs)
+    if cfg.intake_workers:
+        for f in funcs:
+            if not isinstance(f, str):
+                try:
+                    pickle.dumps(f)
+                except Exception as exc:
+                    raise ConfigError(f"intake_workers = {cfg.intake_workers}: reward function {f!r} cannot be "
+                                      "sent to a worker by name; give it as 'file.py:func' or 'package.module:func'") from exc
+    return WorkerSpec(artifacts=dict(artifacts), limits=intake.limits, reward_funcs=funcs,
+                      reward_weights=list(recipe.reward_weights), reward_timeout_s=cfg.reward_timeout_s,
+                      environment=cfg.environment, environment_args=dict(cfg.environment_args))
+
+
+__all__ = ["CheckContext", "Checked", "IntakeBusy", "IntakePool", "WorkerSpec", "worker_spec"]

@@ -1,0 +1,206 @@
+"""Intake workers (issue 20 item 4): ``intake_workers = 2`` judges results exactly as the hub
+process does (``= 0``), a reward function that sleeps does not hold the hub's loop, a worker that
+dies costs one ``busy`` answer (the node resends) and a restart, and the hub's stop leaves no
+worker process behind. Real hubs (tiny model), real signed frames, real spawned processes."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import trio
+from hubkit import announce, small_hub_cfg
+
+from echo2.learner_hub.hub import Hub
+from echo2.learner_hub.intake_pool import IntakeBusy
+from echo2.looplag import LoopLag
+from echo2.protocol import envelope
+from echo2.protocol.errors import Echo2Error
+from echo2.protocol.identity import Identity
+from echo2.protocol.messages import AdmissionRequest, Task, task_hash
+from echo2.protocol.packedresult import PackedCompletion, PackedResult, pack_ids, pack_logprobs
+
+SLEEP_S = 1.0
+
+
+def slow_reward(completions: list[Any], **_: Any) -> list[float | None]:
+    """An operator's slow reward function (module level: workers load it by name)."""
+    time.sleep(float(os.environ.get("ECHO2_TEST_REWARD_SLEEP_S", "0")))
+    return [0.5] * len(completions)
+
+
+def make_hub(tmp_path: Path, workers: int, **kw: Any) -> Hub:
+    return Hub(small_hub_cfg(tmp_path / f"hub{workers}", intake_workers=workers, **kw))
+
+
+def admit(hub: Hub, node: Identity) -> None:
+    req = AdmissionRequest(peer_id=node.peer_id, join_token="", announce=announce(node.peer_id))
+    trio.run(hub.on_admission, node.peer_id, envelope.seal(node, req))
+
+
+def take_task(hub: Hub, node: Identity) -> Task:
+    hub.nodes[node.peer_id].held_version = hub.learner.version
+    hub._refill()
+    hub._pump()
+    return envelope.open_envelope(hub.nodes[node.peer_id].mailbox.popleft(), Task, replay=None).message
+
+
+def answer(task: Task, node: Identity, tokens: list[int] | None = None) -> PackedResult:
+    """Completions that copy each prompt's last tokens (the copy task's reward varies with them)."""
+    comps = []
+    for i, p in enumerate(task.prompts):
+        for j in range(task.group_size):
+            ids = tokens if tokens is not None else [t for t in p[-task.max_new_tokens:]][: task.max_new_tokens - (j % 2)]
+            comps.append(PackedCompletion(i, pack_ids(ids), pack_logprobs([-0.5] * len(ids)), "length"))
+    return PackedResult(task_id=task.task_id, task_hash=task_hash(task), node_id=node.peer_id, version=0,
+                        completions=comps, started_at=time.time(), gen_seconds=0.1, tokens=0)
+
+
+def outcome(hub: Hub, peer: str, data: bytes) -> tuple[str, Any]:
+    try:
+        trio.run(hub.on_result, peer, data)
+    except Echo2Error as exc:
+        return "refused", exc.code
+    return "accepted", None
+
+
+def scenario(hub: Hub, node: Identity, stranger: Identity) -> list[tuple[str, Any]]:
+    """The same sequence of frames against one hub: what it answered to each, and the rewards
+    of the rows it buffered."""
+    out = []
+    vocab = hub.tok.vocab_size
+    t1 = take_task(hub, node)
+    honest = envelope.seal(node, answer(t1, node))
+    tampered = bytearray(envelope.seal(node, answer(t1, node)))
+    tampered[len(tampered) // 2] ^= 0x01  # one bit of the signed payload
+    out.append(outcome(hub, node.peer_id, bytes(tampered)))
+    out.append(outcome(hub, node.peer_id, envelope.seal(stranger, answer(t1, stranger))))  # signed by another
+    out.append(outcome(hub, node.peer_id, honest))  # accepted
+    out.append(outcome(hub, node.peer_id, honest))  # the same frame again: a replay
+    out.append(outcome(hub, node.peer_id, envelope.seal(node, answer(t1, node))))  # sealed afresh: a duplicate
+    rewards = sorted(round(s.reward, 6) for _, (_tid, g) in hub.buffer.take_batch(hub.learner.version, len(hub.buffer)) or []
+                     for s in g.samples)
+    out.append(("rewards", rewards))  # before the ban below drops its rows
+    t2 = take_task(hub, node)
+    out.append(outcome(hub, node.peer_id, envelope.seal(node, answer(t2, node, tokens=[vocab + 3]))))  # forged: punished
+    return out
+
+
+def test_verdicts_equal_with_and_without_workers(tmp_path: Path) -> None:
+    node, stranger = Identity.generate(), Identity.generate()
+    results = []
+    for workers in (0, 2):
+        hub = make_hub(tmp_path, workers)
+        try:
+            admit(hub, node)
+            results.append(scenario(hub, node, stranger))
+            assert hub.intake_pool.checked == 6
+        finally:
+            hub.intake_pool.close()
+            hub.store.close()
+    inline, pooled = results
+    assert pooled == inline
+    codes = [o for o in inline if o[0] == "refused"]
+    assert [c for _, c in codes] == ["bad_signature", "signer_not_allowed", "replay", "meaning", "meaning"]
+    assert inline[2] == ("accepted", None) and len(inline[5][1]) >= 4  # its rows were scored and buffered
+
+
+def test_sleeping_reward_does_not_block_loop_and_shutdown_leaves_no_process(tmp_path: Path) -> None:
+    os.environ["ECHO2_TEST_REWARD_SLEEP_S"] = str(SLEEP_S)
+    hub = make_hub(tmp_path, 2, reward_funcs=["test_intake_workers:slow_reward"])
+    pids = hub.intake_pool.pids()
+    assert len(pids) == 2 and all(_alive(p) for p in pids)
+    try:
+        nodes = [Identity.generate() for _ in range(2)]
+        for n in nodes:
+            admit(hub, n)
+        tasks = [take_task(hub, n) for n in nodes]
+        frames = [(n.peer_id, envelope.seal(n, answer(t, n))) for n, t in zip(nodes, tasks, strict=True)]
+        lag = LoopLag(interval_s=0.01)
+        done: list[str] = []
+
+        async def main() -> None:
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(lag.run)
+                with trio.fail_after(60):
+                    async with trio.open_nursery() as inner:
+                        for peer, data in frames:
+                            inner.start_soon(_send, hub, peer, data, done)
+                nursery.cancel_scope.cancel()
+
+        t0 = time.monotonic()
+        trio.run(main)
+        assert done == ["accepted", "accepted"]
+        assert time.monotonic() - t0 >= SLEEP_S  # the reward function did sleep ...
+        assert lag.samples >= 50 and lag.p99_s() < 0.02  # ... and the loop ticked every 10 ms meanwhile
+        assert hub.rewards.scored == sum(len(t.prompts) * t.group_size for t in tasks)  # counted in the hub's status as if scored here
+    finally:
+        hub.intake_pool.close()
+        hub.store.close()
+        os.environ.pop("ECHO2_TEST_REWARD_SLEEP_S", None)
+    assert not any(_alive(p) for p in pids)
+
+
+async def _send(hub: Hub, peer: str, data: bytes, done: list[str]) -> None:
+    await hub.on_result(peer, data)
+    done.append("accepted")
+
+
+def test_worker_death_refused_as_busy_then_restarted(tmp_path: Path) -> None:
+    os.environ["ECHO2_TEST_REWARD_SLEEP_S"] = str(SLEEP_S)
+    hub = make_hub(tmp_path, 1, reward_funcs=["test_intake_workers:slow_reward"])
+    try:
+        node = Identity.generate()
+        admit(hub, node)
+        task = take_task(hub, node)
+        pid = hub.intake_pool.pids()[0]
+
+        async def main() -> str:
+            async def kill_soon() -> None:
+                await trio.sleep(SLEEP_S / 2)  # the worker is inside the reward function now
+                os.kill(pid, signal.SIGKILL)
+
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(kill_soon)
+                with trio.fail_after(60):
+                    try:
+                        await hub.on_result(node.peer_id, envelope.seal(node, answer(task, node)))
+                    except IntakeBusy as exc:
+                        return exc.message
+            return "accepted"
+
+        msg = trio.run(main)
+        assert "died" in msg and "send the result again" in msg
+        assert hub.intake_pool.restarts == 1 and hub.intake_pool.pids()[0] != pid
+        # the node resends (a fresh seal, as node/delivery.py does): the restarted worker takes it
+        assert outcome(hub, node.peer_id, envelope.seal(node, answer(task, node))) == ("accepted", None)
+        assert hub.dispatcher.stats.accepted == 1
+    finally:
+        hub.intake_pool.close()
+        hub.store.close()
+        os.environ.pop("ECHO2_TEST_REWARD_SLEEP_S", None)
+    assert not _alive(pid)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    # a zombie (exited, not yet reaped) counts as gone
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(")")[-1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def test_lambda_reward_refused_with_workers(tmp_path: Path) -> None:
+    from echo2.learner_hub.config import ConfigError
+
+    with pytest.raises(ConfigError, match="by name"):
+        make_hub(tmp_path, 1, reward_funcs=[lambda completions, **_: [0.0] * len(completions)])
