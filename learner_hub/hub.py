@@ -276,13 +276,15 @@ class Hub:
             return await self._eval_result(peer, f, verdict, now, tokens, checked)
         with trio.CancelScope(shield=True):
             rows = await self._score(verdict, checked)
+            payload = checked.payload  # an intake worker encoded the same rows (or None)
             if peer in self.fleet.banned:
-                rows = []  # banned while its rows were scored: drop_rows_of has run already
+                rows, payload = [], None  # banned while its rows were scored: drop_rows_of has run already
             # store: the result and its ledger entry in one durable transaction, queued before the
             # rows can be trained (and marked so), committed before the node hears "accepted"
             price = self.fleet.task_price_micro(f.task_id, peer)
             pending = self.store.request(HubStore.record_accepted, f.task_id, peer, f.version, tokens=tokens, rollouts=n,
-                                         received_at=now, payload=encode_groups(rows), price_micro=price)
+                                         received_at=now, payload=encode_groups(rows) if payload is None else payload,
+                                         price_micro=price)
             self.ledger.accept(peer, n, tokens)
             receipt = self._receipt(peer, f.task_id, n, tokens, price, now)
             self.reputation.record(peer, Event.ACCEPTED)

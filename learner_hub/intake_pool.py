@@ -23,14 +23,15 @@ also exits by itself when the hub's end of its socket closes.
 from __future__ import annotations
 
 import logging
-import multiprocessing
 import pickle
 import socket
 import struct
+import subprocess
+import sys
+import threading
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
-from multiprocessing.process import BaseProcess
 from typing import Any
 
 import trio
@@ -40,7 +41,7 @@ from echo2.protocol.errors import ProtocolError
 from .config import ConfigError, HubConfig
 from .intake import Intake
 from .intake_check import Findings, error_from_wire, examine
-from .intake_worker import CheckContext, Reply, WorkerSpec, main
+from .intake_worker import CheckContext, Reply, WorkerSpec
 from .recipe import Recipe
 from .rewards import Scored
 
@@ -54,6 +55,8 @@ REPLY_SLACK_S = 30.0
 #: how long a spawned worker may take to load (it imports the tokenizer's modules and the
 #: operator's reward code; measured ~2 s on the shared 2-core machine)
 READY_TIMEOUT_S = 120.0
+#: frames up to this size are sent with their header in one write (a copy costs less than a syscall)
+SMALL_FRAME = 256 * 1024
 
 
 class IntakeBusy(ProtocolError):
@@ -69,6 +72,7 @@ class Checked:
     findings: Findings
     scored: Scored | None = None
     failures: tuple[tuple[str, str, str], ...] = ()
+    payload: bytes | None = None  # the scored rows' stored form (rows.encode_groups), made by the worker
 
 
 class _Worker:
@@ -85,11 +89,28 @@ class _Worker:
         self.stream: trio.SocketStream | None = None
         self.ready = False
         self.sock, child = socket.socketpair()
-        ctx = multiprocessing.get_context("spawn")  # the hub has torch and threads: fork is unsafe
-        self.proc: BaseProcess = ctx.Process(target=main, args=(child, self.spec), daemon=True,
-                                             name=f"echo2-intake-{self.index}")
-        self.proc.start()
+        fd = child.fileno()
+        # a fresh interpreter (see intake_worker's docstring for why not multiprocessing's spawn)
+        self.proc = subprocess.Popen(
+            [sys.executable, "-c", f"from echo2.learner_hub.intake_worker import run; run({fd})"],
+            pass_fds=(fd,), stdin=subprocess.DEVNULL, close_fds=True,
+        )
         child.close()
+        spec = pickle.dumps((self.spec, list(sys.path)), protocol=pickle.HIGHEST_PROTOCOL)
+        # sent from a thread: the tokenizer files can exceed the socket's buffer, and the child
+        # reads them only once its interpreter is up (~1 s); start-up need not wait for each
+        self._sender = threading.Thread(target=self._send_spec, args=(spec,), daemon=True, name="intake-spec")
+        self._sender.start()
+
+    def _send_spec(self, spec: bytes) -> None:
+        try:
+            self.sock.sendall(_ONE.pack(len(spec)) + spec)
+        except OSError:
+            pass  # the worker died at once: its ready frame never comes, and that is reported
+
+    @property
+    def exitcode(self) -> int | None:
+        return self.proc.poll()
 
     def wait_ready_sync(self, timeout: float) -> None:
         """The worker's ready frame, read before any trio wrapper exists (hub start-up)."""
@@ -97,7 +118,7 @@ class _Worker:
         try:
             head = _recv_exact_sync(self.sock, _ONE.size)
             if head is None:
-                raise ConfigError(f"intake worker {self.index} exited while loading (exit code {self.proc.exitcode})")
+                raise ConfigError(f"intake worker {self.index} exited while loading (exit code {self.proc.wait(5)})")
             (n,) = _ONE.unpack(head)
             if n:
                 msg = (_recv_exact_sync(self.sock, n) or b"").decode(errors="replace")
@@ -122,13 +143,14 @@ class _Worker:
             self.sock.close()
         except OSError:
             pass
-        self.proc.join(grace_s)
-        if self.proc.is_alive():
-            self.proc.terminate()
-            self.proc.join(1.0)
-        if self.proc.is_alive():
-            self.proc.kill()
-            self.proc.join(1.0)
+        for sig in ("wait", "terminate", "kill"):
+            if sig != "wait":
+                getattr(self.proc, sig)()
+            try:
+                self.proc.wait(grace_s if sig == "wait" else 2.0)  # reaped: no zombie left either
+                return
+            except subprocess.TimeoutExpired:
+                continue
 
 
 def _recv_exact_sync(sock: socket.socket, n: int) -> bytes | None:
@@ -142,15 +164,19 @@ def _recv_exact_sync(sock: socket.socket, n: int) -> bytes | None:
     return bytes(buf)
 
 
-async def _recv_exact(stream: trio.SocketStream, n: int) -> bytes | None:
-    parts, got = [], 0
-    while got < n:
-        b = await stream.receive_some(min(n - got, 1 << 20))
+async def _read_reply(stream: trio.SocketStream) -> bytes | None:
+    """One length-prefixed reply (None at EOF). Read in chunks as large as the reply: a small one
+    comes in one receive (each receive is a trio wait and a syscall on the hub's loop)."""
+    buf = bytearray()
+    need = _ONE.size
+    while len(buf) < need:
+        b = await stream.receive_some(max(need - len(buf), 1 << 16))
         if not b:
             return None
-        parts.append(b)
-        got += len(b)
-    return b"".join(parts)
+        buf += b
+        if need == _ONE.size and len(buf) >= _ONE.size:
+            need = _ONE.size + _ONE.unpack_from(buf)[0]
+    return bytes(buf[_ONE.size:need])
 
 
 class IntakePool:
@@ -173,7 +199,7 @@ class IntakePool:
         return len(self._workers)
 
     def pids(self) -> list[int]:
-        return [w.proc.pid for w in self._workers if w.proc.pid is not None]
+        return [w.proc.pid for w in self._workers]
 
     def wait_ready(self, timeout: float = READY_TIMEOUT_S) -> None:
         """Block until every worker has loaded (start-up: a bad spec is a ConfigError here)."""
@@ -207,7 +233,7 @@ class IntakePool:
         if reply.error is not None:
             raise error_from_wire(*reply.error)
         assert reply.findings is not None
-        return Checked(reply.findings, reply.scored, reply.failures)
+        return Checked(reply.findings, reply.scored, reply.failures, reply.payload)
 
     async def _ask(self, w: _Worker, raw: bytes, ctx: CheckContext) -> Reply:
         w.lock = w.lock or trio.Lock()
@@ -216,8 +242,8 @@ class IntakePool:
         # the deadline still bounds it (a worker past it is restarted)
         with trio.CancelScope(shield=True):
             async with w.lock:
-                if w.proc.exitcode is not None:  # died while idle: a fresh one takes this result
-                    self._restart(w, f"exited with code {w.proc.exitcode} while idle")
+                if w.exitcode is not None:  # died while idle: a fresh one takes this result
+                    self._restart(w, f"exited with code {w.exitcode} while idle")
                 reply: Reply | None = None
                 why = "timed out"
                 with trio.move_on_after(self.reply_timeout_s + (0 if w.ready else READY_TIMEOUT_S)):
@@ -225,10 +251,13 @@ class IntakePool:
                         if not w.ready:
                             await w.wait_ready(READY_TIMEOUT_S)
                         stream = w.trio_stream()
-                        await stream.send_all(_LEN.pack(len(header), len(raw)) + header)
-                        await stream.send_all(raw)
-                        head = await _recv_exact(stream, _ONE.size)
-                        body = await _recv_exact(stream, _ONE.unpack(head)[0]) if head is not None else None
+                        head_bytes = _LEN.pack(len(header), len(raw)) + header
+                        if len(raw) <= SMALL_FRAME:  # one send: each wakes the worker (a syscall and a switch)
+                            await stream.send_all(head_bytes + raw)
+                        else:  # no copy of a large frame
+                            await stream.send_all(head_bytes)
+                            await stream.send_all(raw)
+                        body = await _read_reply(stream)
                         if body is not None:
                             reply = pickle.loads(body)  # from our own worker process
                         else:
@@ -237,7 +266,7 @@ class IntakePool:
                         why = f"died ({type(exc).__name__})"
                 if reply is not None:
                     return reply
-                code = w.proc.exitcode
+                code = w.exitcode
                 self._restart(w, f"{why} while checking a result of {ctx.peer} (exit code {code})")
                 raise self._busy("worker_died", f"the intake worker {why} while checking this result; it was "
                                                 "restarted: send the result again")

@@ -1,18 +1,23 @@
 """An intake worker process: raw Result frames in, compact findings (and rewards) out.
 
-Started by :class:`.intake_pool.IntakePool` with multiprocessing's ``spawn`` context (the hub has
-imported torch and runs threads: a forked copy of it is unsafe). It gets what it needs by spec,
-never as live objects: the model's tokenizer files (loaded as the hub loads its tokenizer) and
-the reward functions' specs (``file.py:func`` / ``package.module:func``, a verifiers
-environment id, or a module-level function, which pickles by reference). It then answers
-requests one at a time over a socket, framed as ``[u32 header length][u32 frame length]
-[header][raw frame]``; the header (pickled) is small: the peer, its tasks in flight, the trainer
-state. The frame travels as the raw bytes the node signed.
+Started by :class:`.intake_pool.IntakePool` as a fresh interpreter (``python -c``, the spawn
+model: the hub has imported torch and runs threads, so a forked copy of it is unsafe), holding
+one end of a socket pair. Not ``multiprocessing``'s spawn context: it re-runs the parent's main
+script in each child (measured: a profiling script without a ``__main__`` guard started hubs in
+its workers), which a hub embedded in an operator's script must not do.
+
+The worker gets what it needs by spec, never as live objects, as the first frame on its socket:
+the model's tokenizer files (loaded as the hub loads its tokenizer) and the reward functions'
+specs (``file.py:func`` / ``package.module:func``, a verifiers environment id, or a
+module-level function, which pickles by reference), with the hub's ``sys.path``. It then answers
+requests one at a time, framed as ``[u32 header length][u32 frame length][header][raw frame]``;
+the header (pickled) is small: the peer, its tasks in flight, the trainer state. The frame
+travels as the raw bytes the node signed.
 
 Reward functions run here, each on its own thread with the hub's ``reward_timeout_s`` (the same
 rules as :class:`.rewards.RewardRunner`: one call at a time per function, a hung call abandoned),
 so a slow one costs this process time, never the hub's loop. The worker exits when the hub's end
-of the socket closes (EOF), so it cannot outlive the hub.
+of the socket closes (EOF: the hub stopped or died), so it cannot outlive the hub.
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ import os
 import pickle
 import socket
 import struct
+import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
@@ -38,13 +44,14 @@ from .rewards import (
     RewardFunc,
     Scored,
     TrainerState,
+    apply_scores,
     batch_of,
     check_output,
     combine,
     func_name,
     reward_kwargs,
 )
-from .rows import Group
+from .rows import Group, encode_groups
 
 log = logging.getLogger(__name__)
 
@@ -87,6 +94,9 @@ class Reply:
     error: tuple[str, str] | None = None
     scored: Scored | None = None
     failures: tuple[tuple[str, str, str], ...] = ()  # (function, reason, detail) of this batch
+    # the scored rows as the store keeps them (rows.encode_groups after apply_scores): the
+    # canonical encoding was ~12% of the hub's CPU per small result once checks moved here
+    payload: bytes | None = None
 
 
 def tokenizer_decode_batch(tok: Any) -> Callable[[list[list[int]]], list[str]]:
@@ -169,8 +179,9 @@ def handle(raw: bytes, req: CheckContext, lim: Limits, decode_batch: Callable[[l
     # batch_of reads token ids and finish reasons off Group/Sample rows: built here from the arrays
     groups = [Group(list(p), [sample_of(s, f.version, req.peer) for s in ss]) for p, ss in zip(task.prompts, f.samples, strict=True)]
     scored, failures = rewards.score(batch_of(groups, task.items, f.texts), req.state)
+    kept, _ = apply_scores(groups, scored)
     # the texts went into the rewards; the hub has no use for them
-    return Reply(findings=_without_texts(f), scored=scored, failures=failures)
+    return Reply(findings=_without_texts(f), scored=scored, failures=failures, payload=encode_groups(kept))
 
 
 def _without_texts(f: Findings) -> Findings:
@@ -212,3 +223,15 @@ def main(sock: socket.socket, spec: WorkerSpec) -> None:
         sock.sendall(_ONE.pack(len(out)) + out)
     # reward threads of abandoned (hung) calls would keep a normal exit waiting
     os._exit(0)
+
+
+def run(fd: int) -> None:
+    """The worker process's entry (``python -c``): read the spec frame, then serve."""
+    sock = socket.socket(fileno=fd)
+    head = _recv_exact(sock, _ONE.size)
+    body = _recv_exact(sock, _ONE.unpack(head)[0]) if head is not None else None
+    if body is None:
+        os._exit(0)  # the hub went away before sending the spec
+    spec, path = pickle.loads(body)  # from the hub process: trusted
+    sys.path[:0] = [p for p in path if p not in sys.path]  # the operator's modules, as the hub sees them
+    main(sock, spec)

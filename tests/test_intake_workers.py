@@ -17,6 +17,7 @@ from hubkit import announce, small_hub_cfg
 
 from echo2.learner_hub.hub import Hub
 from echo2.learner_hub.intake_pool import IntakeBusy
+from echo2.learner_hub.store import HubStore
 from echo2.looplag import LoopLag
 from echo2.protocol import envelope
 from echo2.protocol.errors import Echo2Error
@@ -82,6 +83,9 @@ def scenario(hub: Hub, node: Identity, stranger: Identity) -> list[tuple[str, An
     out.append(outcome(hub, node.peer_id, honest))  # accepted
     out.append(outcome(hub, node.peer_id, honest))  # the same frame again: a replay
     out.append(outcome(hub, node.peer_id, envelope.seal(node, answer(t1, node))))  # sealed afresh: a duplicate
+    # what the store keeps of the accepted rows (an intake worker encodes it; the hub otherwise)
+    stored = trio.run(hub.store.call, HubStore.pending_results)
+    out.append(("stored", [p.payload for p in stored]))
     rewards = sorted(round(s.reward, 6) for _, (_tid, g) in hub.buffer.take_batch(hub.learner.version, len(hub.buffer)) or []
                      for s in g.samples)
     out.append(("rewards", rewards))  # before the ban below drops its rows
@@ -106,7 +110,8 @@ def test_verdicts_equal_with_and_without_workers(tmp_path: Path) -> None:
     assert pooled == inline
     codes = [o for o in inline if o[0] == "refused"]
     assert [c for _, c in codes] == ["bad_signature", "signer_not_allowed", "replay", "meaning", "meaning"]
-    assert inline[2] == ("accepted", None) and len(inline[5][1]) >= 4  # its rows were scored and buffered
+    assert inline[2] == ("accepted", None) and len(inline[6][1]) >= 4  # its rows were scored and buffered
+    assert inline[5][0] == "stored" and len(inline[5][1]) == 1 and len(inline[5][1][0]) > 100
 
 
 def test_sleeping_reward_does_not_block_loop_and_shutdown_leaves_no_process(tmp_path: Path) -> None:
