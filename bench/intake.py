@@ -62,6 +62,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="comma-separated intake_workers values measured per fleet size (e.g. 0,2; default 0)")
     parser.add_argument("--reward-sleep", type=float, default=0.0, dest="reward_sleep",
                         help="add a reward function that sleeps this many seconds per call (does not apply: None)")
+    parser.add_argument("--tokens", type=int, default=SMALL_TOKENS,
+                        help=f"tokens per completion of the measured results (default {SMALL_TOKENS}; 8 completions each)")
     parser.add_argument("--packed", action="store_true", help="results in the packed wire form nodes send (default: list form)")
     parser.add_argument("--big-result-MB", type=float, default=0.0, dest="big_result_mb",
                         help="instead: one result of this size, list form vs packed form (bench/intake_big.py)")
@@ -109,7 +111,7 @@ def sleepy_reward(completions: list[Any], **_: Any) -> list[float | None]:
     return [None] * len(completions)
 
 
-def make_hub(n_nodes: int, workdir: Path, workers: int = 0, reward_sleep_s: float = 0.0) -> Any:
+def make_hub(n_nodes: int, workdir: Path, workers: int = 0, reward_sleep_s: float = 0.0, tokens: int = SMALL_TOKENS) -> Any:
     """A hub sized for the fleet: one prompt group per node per step, small results (built off
     the trio loop: the hub's constructor reads its store synchronously)."""
     from echo2.learner_hub.config import HubConfig
@@ -120,14 +122,14 @@ def make_hub(n_nodes: int, workdir: Path, workers: int = 0, reward_sleep_s: floa
         os.environ[SLEEP_ENV] = repr(reward_sleep_s)
         extra["reward_funcs"] = ["echo2.learner_hub.rewards_builtin:copy_reward", "echo2.bench.intake:sleepy_reward"]
     cfg = HubConfig(dir=str(workdir), steps=10**6, prompts_per_step=n_nodes, group_size=SMALL_COMPLETIONS,
-                    max_new_tokens=SMALL_TOKENS, staleness=1, task_deadline_s=3600.0, intake_workers=workers, **extra)
+                    max_new_tokens=tokens, staleness=1, task_deadline_s=3600.0, intake_workers=workers, **extra)
     hub = Hub(cfg)
     gc.freeze()  # as run_hub does: start-up's objects are never scanned by a collection again
     return hub
 
 
 async def measure(hub: Any, n_nodes: int, n_results: int, n_holds: int, n_status: int, workdir: Path,
-                  packed: bool = False) -> dict[str, Any]:
+                  packed: bool = False, tokens: int = SMALL_TOKENS) -> dict[str, Any]:
     import trio
 
     from echo2.learner_hub import hubstatus
@@ -183,11 +185,11 @@ async def measure(hub: Any, n_nodes: int, n_results: int, n_holds: int, n_status
     seq = 0
 
     def result_for(task: Task, node: Identity) -> bytes:
-        comps = [Completion(prompt_index=i, token_ids=[rng.choice(plain) for _ in range(SMALL_TOKENS)],
-                            logprobs=[-0.5] * SMALL_TOKENS, finish_reason="length")
+        comps = [Completion(prompt_index=i, token_ids=[rng.choice(plain) for _ in range(tokens)],
+                            logprobs=[-0.5] * tokens, finish_reason="length")
                  for i in range(len(task.prompts)) for _ in range(task.group_size)]
         r = Result(task_id=task.task_id, task_hash=task_hash(task), node_id=node.peer_id, version=0, completions=comps,
-                   started_at=time.time(), gen_seconds=0.1, tokens=SMALL_TOKENS * len(comps))
+                   started_at=time.time(), gen_seconds=0.1, tokens=tokens * len(comps))
         if packed:  # the form nodes send (node/taskloop.py)
             pcs = [PackedCompletion(c.prompt_index, pack_ids(c.token_ids), pack_logprobs(c.logprobs), c.finish_reason)
                    for c in comps]
@@ -375,13 +377,14 @@ def run(args: argparse.Namespace) -> int:
     sizes = [int(x) for x in str(args.nodes).split(",") if x.strip()]
     worker_counts = [int(x) for x in str(getattr(args, "workers", "0")).split(",") if x.strip()]
     sleep_s, packed = float(getattr(args, "reward_sleep", 0.0)), bool(getattr(args, "packed", False))
+    tokens = int(getattr(args, "tokens", SMALL_TOKENS))
     rows = []
     for n in sizes:
         for w in worker_counts:
             with tempfile.TemporaryDirectory(prefix="echo2-bench-intake-") as d:
-                hub = make_hub(n, Path(d), w, sleep_s)
+                hub = make_hub(n, Path(d), w, sleep_s, tokens)
                 try:
-                    row = trio.run(measure, hub, n, args.results, args.holds, args.status, Path(d), packed)
+                    row = trio.run(measure, hub, n, args.results, args.holds, args.status, Path(d), packed, tokens)
                 finally:
                     hub.intake_pool.close()
                     hub.store.close()
@@ -410,7 +413,7 @@ def run(args: argparse.Namespace) -> int:
         "setup_shortcuts": [f"nodes marked hub-timed after admission (as if each had returned one task) at {TIMED_RATE} rollouts/s",
                             "held_version=0 set directly after admission (holds are measured on a sample)",
                             "the learner is a stand-in that takes buffered rows between results, untimed"],
-        "small_result": {"completions": SMALL_COMPLETIONS, "tokens_each": SMALL_TOKENS, "packed": packed},
+        "small_result": {"completions": SMALL_COMPLETIONS, "tokens_each": tokens, "packed": packed},
         "reward_sleep_s": sleep_s,
         "rows": rows,
     }

@@ -17,7 +17,7 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, TypeAlias
+from typing import Any, NamedTuple, TypeAlias
 
 import numpy as np
 
@@ -34,15 +34,14 @@ from .behaviour import logprob_array_problem
 AnyResult: TypeAlias = Result | PackedResult  # the list form (v1) and the packed form (int32/float32 bytes)
 
 
-@dataclass(frozen=True)
-class TaskView:
+class TaskView(NamedTuple):
     """What the stateless checks need of one task in flight: its prompts and their group sizes,
     and each prompt's item (what the reward functions read: the prompt and dataset columns)."""
 
     task_id: str
     prompts: tuple[tuple[int, ...], ...]
     group_sizes: tuple[int, ...]
-    items: tuple[Any, ...]
+    items: tuple[Any, ...]  # per prompt: its PromptItem's fields, or (item,) (intake.item_fields)
 
 
 @dataclass(frozen=True)
@@ -54,8 +53,7 @@ class Limits:
     stop_ids: frozenset[int]
 
 
-@dataclass(frozen=True)
-class CompactSample:
+class CompactSample(NamedTuple):
     """One completion as arrays: little-endian int32 ids and float32 log-probs as received for a
     packed result (``packed``), int64/float64 bytes for a list-form one (exact either way)."""
 
@@ -65,8 +63,7 @@ class CompactSample:
     finish_reason: str  # read off the tokens here, not the node's claim
 
 
-@dataclass(frozen=True)
-class Findings:
+class Findings(NamedTuple):
     """The stateless verdict on one opened frame. ``problem``: a completion check failed (the
     hub punishes if the task is still the peer's); ``samples``/``texts``: per prompt of the task,
     only when the task was in flight for this peer and every check passed."""

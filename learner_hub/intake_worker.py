@@ -32,13 +32,14 @@ import struct
 import sys
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field, replace
-from typing import Any
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple
 
 from echo2.protocol.errors import Echo2Error
 
 from .intake import sample_of
 from .intake_check import Findings, Limits, TaskView, error_to_wire, examine
+from .recipe import PromptItem
 from .rewards import (
     FuncFailure,
     RewardFunc,
@@ -74,8 +75,7 @@ class WorkerSpec:
     decode_factory: str = "echo2.learner_hub.intake_worker:tokenizer_decode_batch"
 
 
-@dataclass(frozen=True)
-class CheckContext:
+class CheckContext(NamedTuple):
     """What the hub sends along with a frame: the peer whose connection sent it, the peer's tasks
     in flight (the result must answer one of them to be checked and scored) and the trainer state
     a reward function may read."""
@@ -86,13 +86,13 @@ class CheckContext:
     score: bool = True
 
 
-@dataclass(frozen=True)
-class Reply:
+class Reply(NamedTuple):
     """What a worker sends back: findings and their rewards, or the envelope's error."""
 
     findings: Findings | None = None
     error: tuple[str, str] | None = None
-    scored: Scored | None = None
+    # Scored's fields (rewards, reasons, parts): plain lists pickle faster than its dataclass
+    scored: tuple[list[float | None], list[str | None], list[dict[str, float]]] | None = None
     failures: tuple[tuple[str, str, str], ...] = ()  # (function, reason, detail) of this batch
     # the scored rows as the store keeps them (rows.encode_groups after apply_scores): the
     # canonical encoding was ~12% of the hub's CPU per small result once checks moved here
@@ -178,14 +178,16 @@ def handle(raw: bytes, req: CheckContext, lim: Limits, decode_batch: Callable[[l
     task = req.tasks[f.task_id]
     # batch_of reads token ids and finish reasons off Group/Sample rows: built here from the arrays
     groups = [Group(list(p), [sample_of(s, f.version, req.peer) for s in ss]) for p, ss in zip(task.prompts, f.samples, strict=True)]
-    scored, failures = rewards.score(batch_of(groups, task.items, f.texts), req.state)
+    items = [PromptItem(*it) if len(it) > 1 else it[0] for it in task.items]
+    scored, failures = rewards.score(batch_of(groups, items, f.texts), req.state)
     kept, _ = apply_scores(groups, scored)
     # the texts went into the rewards; the hub has no use for them
-    return Reply(findings=_without_texts(f), scored=scored, failures=failures, payload=encode_groups(kept))
+    return Reply(findings=_without_texts(f), scored=(scored.rewards, scored.reasons, scored.parts), failures=failures,
+                 payload=encode_groups(kept))
 
 
 def _without_texts(f: Findings) -> Findings:
-    return replace(f, texts=None)
+    return f._replace(texts=None)
 
 
 def _recv_exact(sock: socket.socket, n: int) -> bytes | None:
