@@ -248,7 +248,7 @@ class Hub:
         # dispatcher, store, ledger) stays here.
         if peer not in self.nodes:  # before any work on the frame: a stranger costs no worker time
             raise NotAdmitted("this node is not admitted (the hub may have restarted): request admission")
-        ctx = CheckContext(peer, self.intake.tasks_of(peer), TrainerState(self.learner.version, self.cfg.steps))
+        ctx = CheckContext(peer, self.intake.tasks_of(peer), self.learner.version, self.cfg.steps)
         checked = await self.intake_pool.check(data, ctx)
         f = checked.findings
         node = self.nodes.get(peer)

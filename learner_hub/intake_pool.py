@@ -34,6 +34,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+import msgspec
 import trio
 
 from echo2.protocol.errors import ProtocolError
@@ -48,6 +49,7 @@ from .rewards import Scored
 log = logging.getLogger(__name__)
 
 _LEN = struct.Struct("<II")
+_DECODER = msgspec.msgpack.Decoder(Reply)
 _ONE = struct.Struct("<I")
 #: a worker's answer beyond its reward deadline by this much means it is stuck outside the reward
 #: functions (their own timeout already bounds them): it is killed and restarted
@@ -273,10 +275,10 @@ class IntakePool:
                         await _send_all(w.sock, raw)
                     body = await _read_reply(w.sock)
                     if body is not None:
-                        reply = pickle.loads(body)  # from our own worker process
+                        reply = _DECODER.decode(body)
                     else:
                         why = "died"
-                except (OSError, ConfigError) as exc:
+                except (OSError, ConfigError, msgspec.DecodeError) as exc:
                     why = f"died ({type(exc).__name__})"
             if reply is not None:
                 return reply
