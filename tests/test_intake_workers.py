@@ -209,3 +209,38 @@ def test_lambda_reward_refused_with_workers(tmp_path: Path) -> None:
 
     with pytest.raises(ConfigError, match="by name"):
         make_hub(tmp_path, 1, reward_funcs=[lambda completions, **_: [0.0] * len(completions)])
+
+
+def test_per_peer_and_per_worker_bounds(tmp_path: Path) -> None:
+    """Hostile input is bounded before any work: a peer with ``per_peer`` results in the pool
+    gets ``busy`` for the next, and so does anyone once every worker's queue is full."""
+    from echo2.learner_hub.intake_worker import CheckContext
+
+    hub = make_hub(tmp_path, 1)
+    pool = hub.intake_pool
+
+    async def burst(peers: list[str]) -> list[str]:
+        got: list[str] = []
+
+        async def one(peer: str) -> None:
+            try:
+                await pool.check(b"\x00" * 64, CheckContext(peer, {}, 0, 10))
+            except Echo2Error as exc:
+                got.append(exc.code)
+
+        with trio.fail_after(60):
+            async with trio.open_nursery() as nursery:
+                for peer in peers:  # all enter the pool before the worker can answer one
+                    nursery.start_soon(one, peer)
+        return sorted(got)
+
+    try:
+        pool.per_peer, pool.per_worker = 2, 10
+        assert trio.run(burst, ["a", "a", "a"]) == ["busy", "decode", "decode"]
+        assert pool.refused == {"per_peer": 1}
+        pool.per_peer, pool.per_worker = 10, 2
+        assert trio.run(burst, ["a", "b", "c"]) == ["busy", "decode", "decode"]
+        assert pool.refused == {"per_peer": 1, "queue_full": 1}
+    finally:
+        pool.close()
+        hub.store.close()
