@@ -10,7 +10,16 @@ One API for both modes, ``await pool.check(raw, ctx) -> Checked``:
 * ``N > 0``: the raw frame and a small header (the peer, its tasks in flight, the trainer state)
   go to the least busy worker over a socket (:mod:`.intake_worker`); the worker examines it and,
   when it answers one of the peer's tasks, scores it. The hub then applies the stateful half
-  (replay nonce, task book, dispatcher, store) to the compact findings.
+  (replay nonce, task book, dispatcher, store) to the compact findings. The worker scores before
+  the dispatcher's verdict (one round trip, not two); a result the dispatcher then refuses
+  (stale, duplicate) was scored for nothing, in the worker's time, and its rewards are not counted.
+
+Measured (``echo2 bench intake --nodes 100 --workers 0,2 --packed``, 2 shared cores, load ~7):
+the hub process's CPU per small result (8 x 64 tokens) went from 2.88 to 1.44 ms (0.50x; 0.43x
+for the list form). What stays in the hub per result: the IPC (~0.3 ms on the loop; a bare
+socket ping-pong on trio is 26 us), sealing the receipt (~0.2-0.3 ms: schema validation and
+signing), issuing the next task (outbox.feed ~0.2 ms), the dispatcher's verdict (~0.15 ms) and
+the SQLite transaction in the store's thread (~0.35 ms).
 
 Hostile input is bounded: at most ``per_worker`` results wait on a worker and ``per_peer`` results
 of one peer are in the pool at once; beyond that the answer is ``busy`` (a node retries it). A
