@@ -244,3 +244,52 @@ def test_per_peer_and_per_worker_bounds(tmp_path: Path) -> None:
     finally:
         pool.close()
         hub.store.close()
+
+
+def _children(pid: int) -> list[int]:
+    out = []
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            try:
+                ppid = int((d / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, ValueError, IndexError):
+                continue
+            if ppid == pid:
+                out.append(int(d.name))
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.e2e
+@pytest.mark.timeout(300)
+def test_swarm_trains_with_intake_workers_and_leaves_none_behind(tmp_path: Path) -> None:
+    """A real swarm (hub and node processes on 127.0.0.1, tiny model) with ``intake_workers = 2``:
+    the node's results are accepted through the workers, the hub trains its steps, and once the
+    hub has stopped none of its intake workers is left."""
+    from echo2.bench.swarm import LocalSwarm
+    from echo2.learner_hub.config import HubConfig
+
+    cfg = HubConfig(task="copy", steps=3, prompts_per_step=2, group_size=4, max_new_tokens=4, staleness=1, seed=0,
+                    exit_when_done=True, intake_workers=2)
+    workers: set[int] = set()
+    with LocalSwarm(tmp_path, cfg, n_nodes=1) as swarm:
+        swarm.start()
+        assert swarm.hub is not None
+        hub_pid = swarm.hub.pid
+
+        def watch(_st: dict[str, Any]) -> None:
+            workers.update(p for p in _children(hub_pid) if "intake_worker" in _cmdline(p))
+
+        st = swarm.wait(240, on_status=watch)
+        assert st is not None and st.get("final"), (tmp_path / "hub" / "hub.log").read_text()[-3000:]
+        assert st["results_accepted"] >= 3 and st["step"] == 3
+        swarm.hub.wait(timeout=60)
+    assert len(workers) == 2
+    assert not any(_alive(p) for p in workers)
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace")
+    except OSError:
+        return ""
