@@ -106,8 +106,16 @@ class Reply(NamedTuple):
 
 
 def tokenizer_decode_batch(tok: Any) -> Callable[[list[list[int]]], list[str]]:
-    """The hub's decode function (``Intake.decode_batch``) made from a tokenizer handle."""
-    return tok.decode_batch  # type: ignore[no-any-return]
+    """The hub's decode function (``Intake.decode_batch``) made from a tokenizer handle, the way
+    the hub makes it: issue 20's table detokeniser (``detok.BatchDecoder``) where this tree has
+    it, else the tokenizer's own ``decode_batch``."""
+    import importlib
+
+    try:
+        detok = importlib.import_module("echo2.learner_hub.detok")
+    except ImportError:
+        return tok.decode_batch  # type: ignore[no-any-return]
+    return detok.BatchDecoder(tok.tokenizer)  # type: ignore[no-any-return]
 
 
 def _import(spec: str) -> Any:
