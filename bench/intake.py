@@ -39,6 +39,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import os
 import random
 import statistics
 import tempfile
@@ -57,6 +58,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--holds", type=int, default=50, help="HoldsVersion messages measured per fleet size")
     parser.add_argument("--status", type=int, default=5, help="status writes measured per fleet size")
     parser.add_argument("--json", default=None, help="write results to this file")
+    parser.add_argument("--workers", default="0",
+                        help="comma-separated intake_workers values measured per fleet size (e.g. 0,2; default 0)")
+    parser.add_argument("--reward-sleep", type=float, default=0.0, dest="reward_sleep",
+                        help="add a reward function that sleeps this many seconds per call (does not apply: None)")
+    parser.add_argument("--tokens", type=int, default=SMALL_TOKENS,
+                        help=f"tokens per completion of the measured results (default {SMALL_TOKENS}; 8 completions each)")
+    parser.add_argument("--packed", action="store_true", help="results in the packed wire form nodes send (default: list form)")
     parser.add_argument("--big-result-MB", type=float, default=0.0, dest="big_result_mb",
                         help="instead: one result of this size, list form vs packed form (bench/intake_big.py)")
 
@@ -91,24 +99,42 @@ async def _ticker(gaps: list[float], stop: Any) -> None:
         gaps.append((time.perf_counter() - t0 - 0.001) * 1e3)
 
 
-def make_hub(n_nodes: int, workdir: Path) -> Any:
+#: the environment variable :func:`sleepy_reward` reads (set by ``--reward-sleep``; intake
+#: workers are spawned with the bench's environment, so they read it too)
+SLEEP_ENV = "ECHO2_BENCH_REWARD_SLEEP_S"
+
+
+def sleepy_reward(completions: list[Any], **_: Any) -> list[float | None]:
+    """A slow operator reward function: sleeps ``$ECHO2_BENCH_REWARD_SLEEP_S`` seconds per call,
+    then does not apply to any completion (None), so the task's own reward decides."""
+    time.sleep(float(os.environ.get(SLEEP_ENV, "0") or 0))
+    return [None] * len(completions)
+
+
+def make_hub(n_nodes: int, workdir: Path, workers: int = 0, reward_sleep_s: float = 0.0, tokens: int = SMALL_TOKENS) -> Any:
     """A hub sized for the fleet: one prompt group per node per step, small results (built off
     the trio loop: the hub's constructor reads its store synchronously)."""
     from echo2.learner_hub.config import HubConfig
     from echo2.learner_hub.hub import Hub
 
+    extra: dict[str, Any] = {}
+    if reward_sleep_s > 0:
+        os.environ[SLEEP_ENV] = repr(reward_sleep_s)
+        extra["reward_funcs"] = ["echo2.learner_hub.rewards_builtin:copy_reward", "echo2.bench.intake:sleepy_reward"]
     cfg = HubConfig(dir=str(workdir), steps=10**6, prompts_per_step=n_nodes, group_size=SMALL_COMPLETIONS,
-                    max_new_tokens=SMALL_TOKENS, staleness=1, task_deadline_s=3600.0)
+                    max_new_tokens=tokens, staleness=1, task_deadline_s=3600.0, intake_workers=workers, **extra)
     hub = Hub(cfg)
     gc.freeze()  # as run_hub does: start-up's objects are never scanned by a collection again
     return hub
 
 
-async def measure(hub: Any, n_nodes: int, n_results: int, n_holds: int, n_status: int, workdir: Path) -> dict[str, Any]:
+async def measure(hub: Any, n_nodes: int, n_results: int, n_holds: int, n_status: int, workdir: Path,
+                  packed: bool = False, tokens: int = SMALL_TOKENS) -> dict[str, Any]:
     import trio
 
     from echo2.learner_hub import hubstatus
     from echo2.learner_hub.store import HubStore
+    from echo2.looplag import LoopLag
     from echo2.protocol import envelope
     from echo2.protocol.identity import Identity
     from echo2.protocol.messages import (
@@ -121,6 +147,7 @@ async def measure(hub: Any, n_nodes: int, n_results: int, n_holds: int, n_status
         Task,
         task_hash,
     )
+    from echo2.protocol.packedresult import PackedCompletion, PackedResult, pack_ids, pack_logprobs
 
     await hub.publish()  # version 0, as serve() does before nodes come
     rng = random.Random(0)
@@ -158,11 +185,17 @@ async def measure(hub: Any, n_nodes: int, n_results: int, n_holds: int, n_status
     seq = 0
 
     def result_for(task: Task, node: Identity) -> bytes:
-        comps = [Completion(prompt_index=i, token_ids=[rng.choice(plain) for _ in range(SMALL_TOKENS)],
-                            logprobs=[-0.5] * SMALL_TOKENS, finish_reason="length")
+        comps = [Completion(prompt_index=i, token_ids=[rng.choice(plain) for _ in range(tokens)],
+                            logprobs=[-0.5] * tokens, finish_reason="length")
                  for i in range(len(task.prompts)) for _ in range(task.group_size)]
         r = Result(task_id=task.task_id, task_hash=task_hash(task), node_id=node.peer_id, version=0, completions=comps,
-                   started_at=time.time(), gen_seconds=0.1, tokens=SMALL_TOKENS * len(comps))
+                   started_at=time.time(), gen_seconds=0.1, tokens=tokens * len(comps))
+        if packed:  # the form nodes send (node/taskloop.py)
+            pcs = [PackedCompletion(c.prompt_index, pack_ids(c.token_ids), pack_logprobs(c.logprobs), c.finish_reason)
+                   for c in comps]
+            return envelope.seal(node, PackedResult(task_id=r.task_id, task_hash=r.task_hash, node_id=r.node_id, version=0,
+                                                    completions=pcs, started_at=r.started_at, gen_seconds=0.1,
+                                                    tokens=r.tokens))
         return envelope.seal(node, r)
 
     async def learner_stand_in() -> None:
@@ -176,27 +209,43 @@ async def measure(hub: Any, n_nodes: int, n_results: int, n_holds: int, n_status
     res: dict[str, list[float]] = {k: [] for k in ("result_loop", "result_proc", "result_wall", "hb_loop",
                                                     "hb_proc", "holds_loop", "holds_proc")}
     sizes: list[int] = []
+
+    async def _results(count: int) -> None:
+        nonlocal seq
+        for _ in range(count):
+            peer = next((p for p, n in hub.nodes.items() if n.mailbox), None)  # untimed: a node with a task waiting
+            if peer is None:
+                raise RuntimeError("no node has a task waiting: the pipeline ran dry")
+            node = by_peer[peer]
+            seq += 1
+            hb = envelope.seal(node, Heartbeat(peer_id=peer, seq=seq, versions_held=[0], busy_tasks=0, queue_free=1))
+            with _Cpu() as c:
+                reply = await hub.on_work(peer, hb)
+            res["hb_loop"].append(c.loop_ms)
+            res["hb_proc"].append(c.process_ms)
+            task = envelope.open_envelope(reply, Task, replay=None).message
+            data = result_for(task, node)
+            sizes.append(len(data))
+            with _Cpu() as c:
+                await hub.on_result(peer, data)
+            res["result_loop"].append(c.loop_ms)
+            res["result_proc"].append(c.process_ms)
+            res["result_wall"].append(c.wall_ms)
+            await learner_stand_in()
+
     accepted0 = hub.dispatcher.stats.accepted
-    for _ in range(n_results):
-        peer = next((p for p, n in hub.nodes.items() if n.mailbox), None)  # untimed: a node with a task waiting
-        if peer is None:
-            raise RuntimeError("no node has a task waiting: the pipeline ran dry")
-        node = by_peer[peer]
-        seq += 1
-        hb = envelope.seal(node, Heartbeat(peer_id=peer, seq=seq, versions_held=[0], busy_tasks=0, queue_free=1))
-        with _Cpu() as c:
-            reply = await hub.on_work(peer, hb)
-        res["hb_loop"].append(c.loop_ms)
-        res["hb_proc"].append(c.process_ms)
-        task = envelope.open_envelope(reply, Task, replay=None).message
-        data = result_for(task, node)
-        sizes.append(len(data))
-        with _Cpu() as c:
-            await hub.on_result(peer, data)
-        res["result_loop"].append(c.loop_ms)
-        res["result_proc"].append(c.process_ms)
-        res["result_wall"].append(c.wall_ms)
-        await learner_stand_in()
+    # the loop's lag while results are checked (echo2/looplag.py: 100 ms ticks, as the hub runs it)
+    lag = LoopLag()
+    lag_scope = trio.CancelScope()
+
+    async def run_lag() -> None:
+        with lag_scope:
+            await lag.run()
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(run_lag)
+        await _results(n_results)
+        lag_scope.cancel()
     accepted = hub.dispatcher.stats.accepted - accepted0
     for node in rng.sample(nodes, min(n_holds, len(nodes))):
         msg = envelope.seal(node, HoldsVersion(peer_id=node.peer_id, version=0, seconds=0.1))
@@ -260,6 +309,9 @@ async def measure(hub: Any, n_nodes: int, n_results: int, n_holds: int, n_status
         "setup": {"admit_s": round(admit_s, 2), "first_dispatch_s": round(first_dispatch_s, 3),
                   "tasks_in_flight": len(hub.dispatcher.in_flight)},
         "accepted": accepted,
+        "workers": hub.intake_pool.workers,
+        "packed": packed,
+        "loop_lag_during_results": lag.report() | {"samples": lag.samples},
         "result_bytes": int(statistics.median(sizes)) if sizes else 0,
         "result": {"loop_cpu_ms": _stats(res["result_loop"]), "process_cpu_ms": _stats(res["result_proc"]),
                    "wall_ms": _stats(res["result_wall"])},
@@ -323,29 +375,36 @@ def run(args: argparse.Namespace) -> int:
             Path(args.json).write_text(json.dumps(big, indent=2))
         return 0
     sizes = [int(x) for x in str(args.nodes).split(",") if x.strip()]
+    worker_counts = [int(x) for x in str(getattr(args, "workers", "0")).split(",") if x.strip()]
+    sleep_s, packed = float(getattr(args, "reward_sleep", 0.0)), bool(getattr(args, "packed", False))
+    tokens = int(getattr(args, "tokens", SMALL_TOKENS))
     rows = []
     for n in sizes:
-        with tempfile.TemporaryDirectory(prefix="echo2-bench-intake-") as d:
-            hub = make_hub(n, Path(d))
-            try:
-                row = trio.run(measure, hub, n, args.results, args.holds, args.status, Path(d))
-            finally:
-                hub.store.close()
-        rows.append(row)
-        r = row["result"]
-        print(f"nodes={n:>6}  result loop {r['loop_cpu_ms']['median']:.3f} ms  process {r['process_cpu_ms']['median']:.3f} ms"
-              f"  heartbeat {row['heartbeat']['loop_cpu_ms']['median']:.3f} ms  holds {row['holds']['loop_cpu_ms']['median']:.3f} ms"
-              f"  status build {row['status']['build_loop_cpu_ms']['median']:.1f} ms,"
-              f" write: loop CPU {row['status']['write_loop_cpu_ms']['median']:.1f} ms,"
-              f" loop blocked {row['status']['write_loop_blocked_max_ms']['median']:.1f} ms"
-              f" (idle {row['status']['idle_loop_gap_max_ms']['median']:.1f} ms,"
-              f" longest CPU stretch {row['status']['write_longest_stretch_cpu_ms']['median']:.1f} ms)"
-              f"  housekeeping {row['housekeeping']['loop_cpu_ms']['median']:.1f} ms"
-              f"  admission {row['admission']['loop_cpu_ms']['median']:.2f} ms"
-              f"  HTTP status.json: loop CPU {row['http_status']['loop_cpu_ms']['median']:.1f} ms,"
-              f" loop blocked {row['http_status']['loop_blocked_max_ms']['median']:.1f} ms"
-              f"  (setup: admit {row['setup']['admit_s']} s)",
-              flush=True)
+        for w in worker_counts:
+            with tempfile.TemporaryDirectory(prefix="echo2-bench-intake-") as d:
+                hub = make_hub(n, Path(d), w, sleep_s, tokens)
+                try:
+                    row = trio.run(measure, hub, n, args.results, args.holds, args.status, Path(d), packed, tokens)
+                finally:
+                    hub.intake_pool.close()
+                    hub.store.close()
+            rows.append(row)
+            r = row["result"]
+            print(f"nodes={n:>6} workers={w}  result loop {r['loop_cpu_ms']['median']:.3f} ms  process {r['process_cpu_ms']['median']:.3f} ms"
+                  f" (wall {r['wall_ms']['median']:.1f} ms; loop lag p99 {row['loop_lag_during_results']['loop_lag_p99_ms']} ms,"
+                  f" max {row['loop_lag_during_results']['loop_lag_max_ms']} ms)"
+                  f"  heartbeat {row['heartbeat']['loop_cpu_ms']['median']:.3f} ms  holds {row['holds']['loop_cpu_ms']['median']:.3f} ms"
+                  f"  status build {row['status']['build_loop_cpu_ms']['median']:.1f} ms,"
+                  f" write: loop CPU {row['status']['write_loop_cpu_ms']['median']:.1f} ms,"
+                  f" loop blocked {row['status']['write_loop_blocked_max_ms']['median']:.1f} ms"
+                  f" (idle {row['status']['idle_loop_gap_max_ms']['median']:.1f} ms,"
+                  f" longest CPU stretch {row['status']['write_longest_stretch_cpu_ms']['median']:.1f} ms)"
+                  f"  housekeeping {row['housekeeping']['loop_cpu_ms']['median']:.1f} ms"
+                  f"  admission {row['admission']['loop_cpu_ms']['median']:.2f} ms"
+                  f"  HTTP status.json: loop CPU {row['http_status']['loop_cpu_ms']['median']:.1f} ms,"
+                  f" loop blocked {row['http_status']['loop_blocked_max_ms']['median']:.1f} ms"
+                  f"  (setup: admit {row['setup']['admit_s']} s)",
+                  flush=True)
     out: dict[str, Any] = {
         "bench": "intake",
         "measures": ("in-process: a real Hub's handlers called directly with real signed messages from N admitted "
@@ -354,10 +413,23 @@ def run(args: argparse.Namespace) -> int:
         "setup_shortcuts": [f"nodes marked hub-timed after admission (as if each had returned one task) at {TIMED_RATE} rollouts/s",
                             "held_version=0 set directly after admission (holds are measured on a sample)",
                             "the learner is a stand-in that takes buffered rows between results, untimed"],
-        "small_result": {"completions": SMALL_COMPLETIONS, "tokens_each": SMALL_TOKENS},
+        "small_result": {"completions": SMALL_COMPLETIONS, "tokens_each": tokens, "packed": packed},
+        "reward_sleep_s": sleep_s,
         "rows": rows,
     }
-    if len(rows) >= 2:
+    if len(worker_counts) >= 2:
+        # issue 20 item 4: the hub process's own CPU per result (process_time: every thread of this
+        # process, the intake workers apart) with intake workers against without, per fleet size
+        out["ratio_result_process_cpu_by_workers"] = {}
+        for n in sizes:
+            base = next(r for r in rows if r["nodes"] == n and r["workers"] == worker_counts[0])
+            for r in rows:
+                if r["nodes"] == n and r["workers"] != worker_counts[0]:
+                    k = f"{n}:{r['workers']}/{worker_counts[0]}"
+                    out["ratio_result_process_cpu_by_workers"][k] = round(
+                        r["result"]["process_cpu_ms"]["median"] / max(base["result"]["process_cpu_ms"]["median"], 1e-9), 3)
+        print(f"hub process CPU per result, workers ratio: {out['ratio_result_process_cpu_by_workers']}")
+    if len(sizes) >= 2:
         a, b = rows[0], rows[-1]
         out["ratio_result_loop_cpu"] = round(b["result"]["loop_cpu_ms"]["median"] / max(a["result"]["loop_cpu_ms"]["median"], 1e-9), 3)
         out["ratio_result_process_cpu"] = round(

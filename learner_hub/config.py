@@ -95,6 +95,7 @@ class HubConfig:
         default_factory=list
     )
     reward_timeout_s: Annotated[float, _doc("a reward call on one batch taking longer is abandoned and its rows excluded (under the 30 s a node waits for its answer)", gt=0, le=25)] = 10.0
+    intake_workers: Annotated[int, _doc("processes that check and score results (signature, decode, checks, detokenising, reward functions) off the hub's loop; 0 = all in the hub process", ge=0, le=64)] = 0
     environment: Annotated[str, _doc("verifiers environment id (pip install echo2[verifiers]); overrides dataset and rewards")] = ""
     environment_args: Annotated[dict[str, Any], _doc("keyword arguments of verifiers.load_environment")] = field(
         default_factory=dict

@@ -40,15 +40,13 @@ from echo2.protocol.messages import (
     NodePause,
     Receipt,
     RelayReport,
-    Result,
     Task,
     TaskDecline,
 )
 from echo2.protocol.net.control import ControlHost, address_key, remote_ip
 from echo2.protocol.net.dataplane import DataPlaneServer
-from echo2.protocol.packedresult import PackedResult
 from echo2.protocol.peerlimit import KeyedRateLimiter
-from echo2.protocol.wire import MAX_RESULT, WORK_POLL_S
+from echo2.protocol.wire import WORK_POLL_S
 
 from .broadcast import PeerInfo, PipelinedSender, StarWithHolds
 from .config import HubConfig, render_config
@@ -58,7 +56,10 @@ from .dispatch import DispatchConfig, Dispatcher
 from .evaluation import Evaluator
 from .fleet import Fleet, NodeInfo
 from .hubstatus import hub_status, write_status_file, write_status_in_chunks
-from .intake import Accept, Intake, Punish, TaskParams, result_tokens
+from .intake import Accept, Intake, Punish, TaskParams
+from .intake_check import Findings, check_replay
+from .intake_pool import Checked, IntakePool, worker_spec
+from .intake_worker import CheckContext
 from .ledger import Ledger
 from .outbox import Outbox
 from .publisher import PolicyPublisher, StarSender
@@ -112,6 +113,9 @@ class Hub:
             # the tokenizer's decode_batch (detok.py); any other tokenizer decodes itself
             decode_batch=detok,
         )
+        # issue 20: N processes check and score results (0: in this process, as before)
+        self.intake_pool = IntakePool(cfg.intake_workers, worker_spec(cfg, self.recipe, self.artifacts, self.intake),
+                                      self.intake.decode_batch)
         # A3: replay state per admitted signer; admission requests (strangers) get a small pool that evicts
         self.replay, self.gossip_replay = envelope.PeerReplay(), envelope.PeerReplay(window_s=300.0, per_peer=256)
         self.admission_replay = envelope.ReplayGuard(max_entries=10_000, evict=True)
@@ -151,6 +155,7 @@ class Hub:
         self.data_addr = self.status_url = ""
         self.resumed_from, self.restored_results = self.trainer.resume()
         self._start_tracking()
+        self.intake_pool.wait_ready()  # a worker that cannot load the tokenizer or rewards stops start-up
 
     def _start_tracking(self) -> None:
         """report_to (tracking.py): the trackers get the whole config once, then every step's
@@ -242,16 +247,25 @@ class Hub:
         return envelope.seal(self.identity, ErrorReply(code="no_work", message="no work right now"))
 
     async def on_result(self, peer: str, data: bytes) -> bytes:
-        # either wire form: the packed one (int32/float32 bytes, what nodes send) or the list one
-        r = envelope.open_envelope(data, (PackedResult, Result), replay=self.replay, allowed=self._signed_by(peer),
-                                   max_size=MAX_RESULT).message
-        node = self.nodes[peer]
+        # either wire form: the packed one (int32/float32 bytes, what nodes send) or the list one.
+        # The stateless checks (envelope, signature, decode, completions, detokenising; with
+        # intake workers, the rewards too) run in the intake pool; the state (replay, book,
+        # dispatcher, store, ledger) stays here.
+        if peer not in self.nodes:  # before any work on the frame: a stranger costs no worker time
+            raise NotAdmitted("this node is not admitted (the hub may have restarted): request admission")
+        ctx = CheckContext(peer, self.intake.tasks_of(peer), self.learner.version, self.cfg.steps)
+        checked = await self.intake_pool.check(data, ctx)
+        f = checked.findings
+        node = self.nodes.get(peer)
+        if node is None:  # dropped while a worker checked its result
+            raise NotAdmitted("this node is not admitted (the hub may have restarted): request admission")
         now = node.last_seen = time.time()
-        verdict = self.intake.judge(peer, r, now, self.learner.version)
-        n, tokens = len(r.completions), result_tokens(r)  # counted here, not the node's claim
+        check_replay(self.replay, f, now)
+        verdict = self.intake.judge_found(peer, f, now, self.learner.version)
+        n, tokens = f.n_completions, f.tokens  # counted at intake, not the node's claim
         if not isinstance(verdict, Accept):
             reason = verdict.error.code if isinstance(verdict, Punish) else verdict.code
-            self.store.submit(HubStore.record_result, r.task_id, peer, r.version, accepted=False, reason=reason,
+            self.store.submit(HubStore.record_result, f.task_id, peer, f.version, accepted=False, reason=reason,
                               tokens=tokens, rollouts=n, received_at=now)
             if isinstance(verdict, Punish):
                 self.fleet.punish(peer, Event.FORGED, verdict.error.message)
@@ -263,38 +277,40 @@ class Hub:
         # The dispatcher has accepted: the rest of the accept path runs even if the node's request
         # gives up meanwhile (cancelled halfway, an accepted result would never be stored). The
         # scoring inside is bounded by reward_timeout_s.
-        if self.dispatcher.eval_handled(r.task_id):
-            return await self._eval_result(peer, r, verdict, now, tokens)
+        if self.dispatcher.eval_handled(f.task_id):
+            return await self._eval_result(peer, f, verdict, now, tokens, checked)
         with trio.CancelScope(shield=True):
-            rows = await self._score(verdict)
+            rows = await self._score(verdict, checked)
+            payload = checked.payload  # an intake worker encoded the same rows (or None)
             if peer in self.fleet.banned:
-                rows = []  # banned while its rows were scored: drop_rows_of has run already
+                rows, payload = [], None  # banned while its rows were scored: drop_rows_of has run already
             # store: the result and its ledger entry in one durable transaction, queued before the
             # rows can be trained (and marked so), committed before the node hears "accepted"
-            price = self.fleet.task_price_micro(r.task_id, peer)
-            pending = self.store.request(HubStore.record_accepted, r.task_id, peer, r.version, tokens=tokens, rollouts=n,
-                                         received_at=now, payload=encode_groups(rows), price_micro=price)
+            price = self.fleet.task_price_micro(f.task_id, peer)
+            pending = self.store.request(HubStore.record_accepted, f.task_id, peer, f.version, tokens=tokens, rollouts=n,
+                                         received_at=now, payload=encode_groups(rows) if payload is None else payload,
+                                         price_micro=price)
             self.ledger.accept(peer, n, tokens)
-            receipt = self._receipt(peer, r.task_id, n, tokens, price, now)
+            receipt = self._receipt(peer, f.task_id, n, tokens, price, now)
             self.reputation.record(peer, Event.ACCEPTED)
             node.tasks_done, node.rollouts, node.tokens = node.tasks_done + 1, node.rollouts + n, node.tokens + tokens
             if rows:
-                self.trainer.add(r.task_id, rows, r.version)
+                self.trainer.add(f.task_id, rows, f.version)
             else:  # nothing the reward functions could score: nothing to train or restore
-                self.intake.book.buffered(r.task_id, 0)
-                self.store.submit(HubStore.drop_pending, [r.task_id], "reward_excluded")
+                self.intake.book.buffered(f.task_id, 0)
+                self.store.submit(HubStore.drop_pending, [f.task_id], "reward_excluded")
             self.outbox.feed()
         await pending.wait()
         return seal_receipt(self.identity, receipt)  # the node's proof of contribution (issue 19)
 
-    async def _eval_result(self, peer: str, r: Result | PackedResult, verdict: Accept, now: float, tokens: int) -> bytes:
+    async def _eval_result(self, peer: str, r: Findings, verdict: Accept, now: float, tokens: int,
+                           checked: Checked | None = None) -> bytes:
         """An accepted eval result: scored, recorded in its evaluation, never trained. The node
         did the work the hub asked for, so it is stored and credited like a rollout result
         (the ledger pays for eval rollouts too)."""
-        node, n = self.nodes[peer], len(r.completions)
+        node, n = self.nodes[peer], r.n_completions
         with trio.CancelScope(shield=True):
-            batch = batch_of(verdict.rows, [g.item for g in verdict.task.groups], verdict.texts)
-            scored: Scored = await self.rewards.score(batch, TrainerState(self.learner.version, self.cfg.steps))
+            scored = await self._scored(verdict, checked)
             # an empty payload: nothing of it may be restored into training after a restart
             price = self.fleet.task_price_micro(r.task_id, peer)
             pending = self.store.request(HubStore.record_accepted, r.task_id, peer, r.version, tokens=tokens, rollouts=n,
@@ -319,12 +335,19 @@ class Hub:
         return make_receipt(self.identity.peer_id, peer, task_id, rollouts=rollouts, tokens=tokens, price_micro=price,
                             accepted_at=now, account=account)
 
-    async def _score(self, verdict: Accept) -> list[Group]:
+    async def _scored(self, verdict: Accept, checked: Checked | None) -> Scored:
+        """The rewards of an accepted result: an intake worker's (counted here as if scored
+        here), else scored now in the hub's reward threads."""
+        if checked is not None and checked.scored is not None:
+            self.rewards.count(checked.scored, checked.failures)
+            return checked.scored
+        batch = batch_of(verdict.rows, [g.item for g in verdict.task.groups], verdict.texts)
+        return await self.rewards.score(batch, TrainerState(global_step=self.learner.version, max_steps=self.cfg.steps))
+
+    async def _score(self, verdict: Accept, checked: Checked | None = None) -> list[Group]:
         """The accepted rows with their rewards; completions the reward functions could not score
         are left out, and so is a group left with fewer than two (counted in status.rewards)."""
-        batch = batch_of(verdict.rows, [g.item for g in verdict.task.groups], verdict.texts)
-        state = TrainerState(global_step=self.learner.version, max_steps=self.cfg.steps)
-        rows, dropped = apply_scores(verdict.rows, await self.rewards.score(batch, state))
+        rows, dropped = apply_scores(verdict.rows, await self._scored(verdict, checked))
         self.rewards.groups_dropped += dropped
         return rows
 
@@ -480,6 +503,7 @@ def run_hub(cfg: HubConfig) -> int:
         write_status_file(hub.dir / "status.json", hub.status() | {"final": True})
         return 0
     finally:
+        hub.intake_pool.close()  # no intake worker outlives the hub
         hub.store.close()  # runs the writes still queued
         hub.trainer.tracker.close()  # the trackers' queued writes, then their files closed
         close = getattr(hub.learner, "close", None)  # a sharded learner's ranks (issue 17)

@@ -19,20 +19,32 @@ from __future__ import annotations
 
 import array
 import sys
-from collections import Counter
-from collections.abc import Callable, Container, Iterable, Sequence
+from collections.abc import Callable, Container, Iterable
 from dataclasses import dataclass, field
-from typing import Any, TypeAlias
+from typing import Any
 
 import numpy as np
 
 from echo2.protocol.errors import Echo2Error, MeaningError, SignerNotAllowed
-from echo2.protocol.messages import Completion, Result, Task, task_hash
-from echo2.protocol.packedresult import PackedCompletion, PackedResult, logprob_array, token_array
+from echo2.protocol.messages import Task, task_hash
 
-from .behaviour import logprob_array_problem
 from .dispatch import Dispatcher, TaskAssignment
+from .intake_check import (
+    AnyResult,
+    CompactSample,
+    Findings,
+    Limits,
+    TaskView,
+    completion_arrays,
+    find,
+    finish_of,
+    result_tokens,
+)
+from .recipe import PromptItem
 from .rows import Group, Sample
+
+__all__ = ["Accept", "AnyResult", "Intake", "Punish", "Refuse", "TaskBook", "TaskParams", "Verdict",
+           "completion_arrays", "derive_finish_reason", "float32_array", "result_tokens", "sample_of"]
 
 
 @dataclass
@@ -106,17 +118,6 @@ class Accept:
     texts: list[list[str]] = field(default_factory=list)  # per group, per sample: what reward functions read
 
 
-AnyResult: TypeAlias = Result | PackedResult  # the list form (v1) and the packed form (int32/float32 bytes)
-
-
-def result_tokens(r: AnyResult) -> int:
-    """The completion tokens a Result carries, counted here: what the ledger and the store record
-    (``Result.tokens`` is the node's claim and goes unused)."""
-    if isinstance(r, PackedResult):
-        return sum(c.n_tokens for c in r.completions)
-    return sum(len(c.token_ids) for c in r.completions)
-
-
 def float32_array(data: bytes) -> array.array[float]:
     """Little-endian float32 bytes as an ``array('f')``: a Sequence of floats made by one copy."""
     a = array.array("f", data)
@@ -125,25 +126,34 @@ def float32_array(data: bytes) -> array.array[float]:
     return a
 
 
-def completion_arrays(c: Completion | PackedCompletion) -> tuple[np.ndarray, np.ndarray]:
-    """A completion's token ids and log-probs as numpy arrays: views of the received bytes for a
-    packed one (no copy), one C-level conversion for a list one."""
-    if isinstance(c, PackedCompletion):
-        return token_array(c.token_ids), logprob_array(c.logprobs)
-    return np.asarray(c.token_ids, dtype=np.int64), np.asarray(c.logprobs, dtype=np.float64)
-
-
-def _text_ids(s: Sample) -> Any:
-    """The ids a sample's text is decoded from (a stop token ends it, it is not text)."""
-    ids: Any = token_array(s.packed[0]) if s.packed is not None else s.token_ids
-    return ids[:-1] if s.finish_reason == "stop" else ids
-
-
 def derive_finish_reason(token_ids: list[int], stop_ids: frozenset[int]) -> str:
-    """How a completion ended, read off its tokens: an engine stops on a stop token and keeps it
-    (``"stop"``); anything else ran out of ``max_new_tokens`` (``"length"``), whatever the node
-    claimed."""
-    return "stop" if token_ids and token_ids[-1] in stop_ids else "length"
+    """How a completion ended, read off its tokens (see :func:`.intake_check.finish_of`)."""
+    return finish_of(token_ids[-1] if token_ids else None, stop_ids)
+
+
+def sample_of(s: CompactSample, version: int, peer: str) -> Sample:
+    """A training row's sample from its arrays: the lists training reads, built in C (tolist);
+    a packed result's received bytes ride along so the store keeps them as received instead of
+    re-encoding 3 M numbers (7.5 s profiled)."""
+    if s.packed:
+        ids: list[int] = np.frombuffer(s.ids, dtype="<i4").tolist()
+        return Sample(token_ids=ids, logprobs=float32_array(s.logprobs), reward=0.0, version=version, node_id=peer,
+                      finish_reason=s.finish_reason, packed=(s.ids, s.logprobs))
+    return Sample(token_ids=np.frombuffer(s.ids, dtype="<i8").tolist(), logprobs=np.frombuffer(s.logprobs, dtype="<f8").tolist(),
+                  reward=0.0, version=version, node_id=peer, finish_reason=s.finish_reason)
+
+
+def task_view(t: TaskAssignment) -> TaskView:
+    return TaskView(t.task_id, tuple(g.prompt for g in t.groups), tuple(g.group_size for g in t.groups),
+                    tuple(item_fields(g.item) for g in t.groups))
+
+
+def item_fields(item: Any) -> tuple[Any, ...]:
+    """A prompt's item as the plain tuple an intake worker gets (``PromptItem(*fields)`` there):
+    pickling the frozen dataclass itself cost ~2x as much per result (bench intake --workers 2)."""
+    if isinstance(item, PromptItem):
+        return (item.text, item.prompt, item.row, item.index, item.ids)
+    return (item,)  # anything else (a legacy item, a test's stand-in) travels as it is
 
 
 @dataclass(frozen=True)
@@ -186,7 +196,7 @@ class Intake:
         vocab_size: int,
         stop_ids: Iterable[int],
         decode: Callable[[list[int]], str],
-        decode_batch: Callable[[list[Any]], list[str]] | None = None,  # lists of ids or int arrays
+        decode_batch: Callable[[list[list[int]]], list[str]] | None = None,
     ) -> None:
         self.dispatcher = dispatcher
         self.params = params
@@ -250,83 +260,60 @@ class Intake:
         return True
 
     # --- results in --------------------------------------------------------------------------------
+    @property
+    def limits(self) -> Limits:
+        return Limits(self.vocab_size, self.params.max_new_tokens, self.stop_ids)
+
+    def tasks_of(self, peer: str) -> dict[str, TaskView]:
+        """The peer's tasks in flight (at most ``max_in_flight_per_node``), as the stateless checks
+        need them: what the hub sends along with a result's frame to an intake worker."""
+        st = self.dispatcher.nodes.get(peer)
+        if st is None:
+            return {}
+        flying = self.dispatcher.in_flight
+        return {tid: task_view(flying[tid]) for tid in st.in_flight if tid in flying}
+
     def judge(self, peer: str, r: AnyResult, now: float, learner_step: int) -> Verdict:
         """The verdict on a Result whose envelope ``peer`` signed."""
+        task = self.dispatcher.in_flight.get(r.task_id)
+        view = task_view(task) if task is not None and task.node_id == peer else None
+        problem, samples, texts = find(r, peer, view, self.limits, self.decode_batch, self._stop_arr)
+        return self.judge_found(peer, Findings(peer, b"", 0.0, r.task_id, r.task_hash, r.node_id, r.version,
+                                               len(r.completions), 0, problem, samples, texts), now, learner_step)
+
+    def judge_found(self, peer: str, f: Findings, now: float, learner_step: int) -> Verdict:
+        """The stateful half of the verdict, on what :func:`.intake_check.examine` found (in this
+        process or in an intake worker): binding, task book, dispatcher."""
         try:
-            if r.node_id != peer:
+            if f.node_id != peer:
                 raise SignerNotAllowed("result names another node")
-            entry = self.book.get(r.task_id)
-            if entry is not None and entry.task_hash and entry.task_hash != r.task_hash:
+            entry = self.book.get(f.task_id)
+            if entry is not None and entry.task_hash and entry.task_hash != f.task_hash:
                 raise MeaningError("result is bound to a different task (task hash mismatch)")
-            assignee = self.dispatcher.assignee(r.task_id) if entry is None else None
+            assignee = self.dispatcher.assignee(f.task_id) if entry is None else None
             if assignee is not None and assignee != peer:
                 # The task closed and its hash left the book, but a task's hash covers its
                 # node_id, so a result naming another node's task cannot carry a hash of it.
                 raise MeaningError("result is bound to a different task (task hash mismatch: issued to another node)")
-            task = self.dispatcher.in_flight.get(r.task_id)
-            if task is not None and task.node_id == peer:
-                self._check_completions(task, r)
+            task = self.dispatcher.in_flight.get(f.task_id)
+            if task is not None and task.node_id == peer and f.problem is not None:
+                raise MeaningError(f.problem)
         except Echo2Error as exc:
             return Punish(exc)
-        verdict = self.dispatcher.on_result(now, r.task_id, peer, r.version, learner_step, len(r.completions))
+        verdict = self.dispatcher.on_result(now, f.task_id, peer, f.version, learner_step, f.n_completions)
+        if verdict.accepted and f.samples is None:
+            # cannot happen: a task the dispatcher accepts was in flight for this peer when the
+            # frame was examined (task ids are never reissued); refused rather than trained blind
+            self.book.close(f.task_id)
+            return Refuse("unknown_task")
         if verdict.accepted:
-            self.book.accept(r.task_id)
-        elif r.task_id not in self.dispatcher.in_flight:
-            self.book.close(r.task_id)  # keeps the entry if its result was accepted earlier
+            self.book.accept(f.task_id)
+        elif f.task_id not in self.dispatcher.in_flight:
+            self.book.close(f.task_id)  # keeps the entry if its result was accepted earlier
         if not verdict.accepted:
             return Refuse(verdict.code.value)
-        assert verdict.task is not None
-        rows, texts = self._rows(verdict.task, r, peer)
+        assert verdict.task is not None and f.samples is not None
+        rows = [Group(prompt_ids=list(g.prompt), samples=[sample_of(s, f.version, peer) for s in ss])
+                for g, ss in zip(verdict.task.groups, f.samples, strict=True)]
+        texts = [list(t) for t in f.texts] if f.texts is not None else []
         return Accept(verdict.task, rows, verdict.late, texts)
-
-    def _check_completions(self, task: TaskAssignment, r: AnyResult) -> None:
-        # Whole-array numpy checks: the per-token Python scans here (vocabulary, stop tokens,
-        # log-probs) cost 4.4 s of a 3.1 M-token result under cProfile.
-        counts = Counter(c.prompt_index for c in r.completions)
-        for i, g in enumerate(task.groups):
-            if counts.get(i, 0) != g.group_size:
-                raise MeaningError(f"prompt {i} has {counts.get(i, 0)} completions, expected {g.group_size}")
-        for c in r.completions:
-            if c.prompt_index >= len(task.groups):
-                raise MeaningError(f"completion for prompt {c.prompt_index} outside the task")
-            ids, lps = completion_arrays(c)
-            if ids.size > self.params.max_new_tokens:
-                raise MeaningError("completion longer than max_new_tokens")
-            if ids.size and int(ids.max()) >= self.vocab_size:
-                raise MeaningError("token id outside the vocabulary")
-            if ids.size > 1 and np.isin(ids[:-1], self._stop_arr).any():
-                # engines stop at the first stop token: text after one cannot be a sample
-                raise MeaningError("completion goes on after a stop token")
-            # a NaN or a -1e30 would poison the step or, clamped, dominate it: refused at the door
-            bad = logprob_array_problem(lps)
-            if bad is not None:
-                raise MeaningError(f"completion for prompt {c.prompt_index}: {bad}")
-
-    def _rows(self, task: TaskAssignment, r: AnyResult, peer: str) -> tuple[list[Group], list[list[str]]]:
-        by_prompt: dict[int, list[Any]] = {}
-        for c in r.completions:
-            by_prompt.setdefault(c.prompt_index, []).append(c)
-        rows: list[Group] = []
-        text_ids: list[Any] = []
-        for i, g in enumerate(task.groups):
-            samples = [self._sample(c, r.version, peer) for c in by_prompt.get(i, [])]
-            rows.append(Group(prompt_ids=list(g.prompt), samples=samples))
-            # a packed sample's ids as a view of the received int32 bytes: the table detokeniser
-            # (detok.py) gathers from arrays; from lists it first pays ~25 ns a token converting
-            text_ids.extend(_text_ids(s) for s in samples)
-        flat = iter(self.decode_batch(text_ids))
-        texts = [[next(flat) for _ in g.samples] for g in rows]
-        return rows, texts
-
-    def _sample(self, c: Completion | PackedCompletion, version: int, peer: str) -> Sample:
-        if isinstance(c, PackedCompletion):
-            # the lists training reads, built in C (tolist); the received bytes ride along so the
-            # store keeps them as received instead of re-encoding 3 M numbers (7.5 s profiled)
-            ids: list[int] = token_array(c.token_ids).tolist()
-            lps: Sequence[float] = float32_array(c.logprobs)
-            packed: tuple[bytes, bytes] | None = (c.token_ids, c.logprobs)
-        else:
-            ids, lps, packed = list(c.token_ids), list(c.logprobs), None
-        finish = derive_finish_reason(ids, self.stop_ids)  # c.finish_reason is only the node's claim
-        return Sample(token_ids=ids, logprobs=lps, reward=0.0, version=version, node_id=peer,
-                      finish_reason=finish, packed=packed)

@@ -315,17 +315,24 @@ class RewardRunner:
         async with trio.open_nursery() as nursery:
             for i in range(len(self.funcs)):
                 nursery.start_soon(one, i)
+        failures = []
         for name, out in zip(self.names, outputs, strict=True):
             if isinstance(out, FuncFailure):
-                self._failed(name, out.reason, str(out))
+                failures.append((name, out.reason, str(out)))
             elif any(v is not None and not math.isfinite(v) for v in out):
-                self._failed(name, "nonfinite", "returned NaN or inf")
+                failures.append((name, "nonfinite", "returned NaN or inf"))
         res = combine(outputs, self.weights, n, self.names)
-        for reason in res.reasons:
-            if reason is not None:
-                self.excluded[reason] += 1
-        self.scored += sum(r is not None for r in res.rewards)
+        self.count(res, failures)
         return res
+
+    def count(self, res: Scored, failures: Sequence[tuple[str, str, str]]) -> None:
+        """Count one scored batch (here, or in an intake worker: :mod:`.intake_worker`)."""
+        for name, reason, detail in failures:
+            self._failed(name, reason, detail)
+        for why in res.reasons:
+            if why is not None:
+                self.excluded[why] += 1
+        self.scored += sum(r is not None for r in res.rewards)
 
     def _failed(self, name: str, reason: str, detail: str) -> None:
         self.failures[(name, reason)] += 1

@@ -26,3 +26,20 @@ def test_bench_intake_small_fleet(tmp_path: Path) -> None:
         assert row["admission"]["loop_cpu_ms"]["n"] == 20 and row["admission"]["loop_cpu_ms"]["median"] > 0
         # the HTTP server sent the status the hub wrote (then 20 more nodes joined: it is no larger)
         assert row["http_status"]["loop_cpu_ms"]["n"] == 1 and row["http_status"]["bytes"] == row["status"]["bytes"]
+
+
+def test_bench_intake_with_intake_workers(tmp_path: Path) -> None:
+    """``--workers 0,1``: the same small fleet with the checks in the hub and in one intake
+    worker; both accept every result, and the hub process's CPU ratio is reported."""
+    parser = argparse.ArgumentParser()
+    bench_intake.add_arguments(parser)
+    out = tmp_path / "i.json"
+    args = parser.parse_args(["--nodes", "4", "--results", "4", "--holds", "1", "--status", "1", "--workers", "0,1",
+                              "--packed", "--json", str(out)])
+    assert bench_intake.run(args) == 0
+    rep = json.loads(out.read_text())
+    assert [(r["nodes"], r["workers"]) for r in rep["rows"]] == [(4, 0), (4, 1)]
+    for row in rep["rows"]:
+        assert row["accepted"] == 4 and row["packed"] is True
+        assert row["result"]["process_cpu_ms"]["n"] == 4 and "loop_lag_p99_ms" in row["loop_lag_during_results"]
+    assert rep["ratio_result_process_cpu_by_workers"]["4:1/0"] > 0

@@ -1,0 +1,209 @@
+"""The stateless half of a Result's intake: raw signed frame in, compact findings out. Pure: no
+trio, no dispatcher, no SQLite; the same code runs in the hub process (``intake_workers = 0``) and
+in intake worker processes (:mod:`.intake_worker`), so the two modes judge alike by construction.
+
+What runs here, in order: size, envelope, signature over the raw bytes, signer is the peer whose
+connection sent it, expiry, payload decode with its schema (the envelope's steps 1-5 and 7), then
+against the task the result names when it is one of the peer's tasks in flight (the hub sends
+those along, :class:`TaskView`): completions per prompt, length, vocabulary, stop tokens,
+log-probs; then rows as packed arrays and each completion's decoded text for the reward functions.
+
+What stays with the hub (state): admission, the replay nonce (the envelope's step 6, applied by
+:func:`check_replay` when the findings come back), the task book's hash, the dispatcher's verdict.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, NamedTuple, TypeAlias
+
+import numpy as np
+
+from echo2.protocol import envelope
+from echo2.protocol import errors as perrors
+from echo2.protocol.errors import Echo2Error, Expired, MeaningError
+from echo2.protocol.messages import Completion, Result
+from echo2.protocol.packedresult import PackedCompletion, PackedResult, logprob_array, token_array
+from echo2.protocol.replay import ReplayCheck
+from echo2.protocol.wire import MAX_RESULT
+
+from .behaviour import logprob_array_problem
+
+AnyResult: TypeAlias = Result | PackedResult  # the list form (v1) and the packed form (int32/float32 bytes)
+
+
+class TaskView(NamedTuple):
+    """What the stateless checks need of one task in flight: its prompts and their group sizes,
+    and each prompt's item (what the reward functions read: the prompt and dataset columns)."""
+
+    task_id: str
+    prompts: tuple[tuple[int, ...], ...]
+    group_sizes: tuple[int, ...]
+    items: tuple[Any, ...]  # per prompt: its PromptItem's fields, or (item,) (intake.item_fields)
+
+
+@dataclass(frozen=True)
+class Limits:
+    """The hub's constants every check reads (from hub.toml and the tokenizer)."""
+
+    vocab_size: int
+    max_new_tokens: int
+    stop_ids: frozenset[int]
+
+
+class CompactSample(NamedTuple):
+    """One completion as arrays: little-endian int32 ids and float32 log-probs as received for a
+    packed result (``packed``), int64/float64 bytes for a list-form one (exact either way)."""
+
+    ids: bytes
+    logprobs: bytes
+    packed: bool
+    finish_reason: str  # read off the tokens here, not the node's claim
+
+
+class Findings(NamedTuple):
+    """The stateless verdict on one opened frame. ``problem``: a completion check failed (the
+    hub punishes if the task is still the peer's); ``samples``/``texts``: per prompt of the task,
+    only when the task was in flight for this peer and every check passed."""
+
+    signer: str
+    nonce: bytes
+    expires: float
+    task_id: str
+    task_hash: bytes
+    node_id: str
+    version: int
+    n_completions: int
+    tokens: int  # counted here, not the node's claim
+    problem: str | None = None
+    samples: tuple[tuple[CompactSample, ...], ...] | None = None
+    texts: tuple[tuple[str, ...], ...] | None = None
+
+
+def finish_of(last: int | None, stop_ids: frozenset[int]) -> str:
+    """How a completion ended, read off its tokens: an engine stops on a stop token and keeps it
+    (``"stop"``); anything else ran out of ``max_new_tokens`` (``"length"``), whatever the node
+    claimed."""
+    return "stop" if last is not None and last in stop_ids else "length"
+
+
+def completion_arrays(c: Completion | PackedCompletion) -> tuple[np.ndarray, np.ndarray]:
+    """A completion's token ids and log-probs as numpy arrays: views of the received bytes for a
+    packed one (no copy), one C-level conversion for a list one."""
+    if isinstance(c, PackedCompletion):
+        return token_array(c.token_ids), logprob_array(c.logprobs)
+    return np.asarray(c.token_ids, dtype=np.int64), np.asarray(c.logprobs, dtype=np.float64)
+
+
+def result_tokens(r: AnyResult) -> int:
+    """The completion tokens a Result carries, counted here: what the ledger and the store record
+    (``Result.tokens`` is the node's claim and goes unused)."""
+    if isinstance(r, PackedResult):
+        return sum(c.n_tokens for c in r.completions)
+    return sum(len(c.token_ids) for c in r.completions)
+
+
+def completions_problem(groups: Sequence[int], r: AnyResult, lim: Limits, stop_arr: np.ndarray) -> str | None:
+    """Why the completions cannot answer a task with these group sizes, or None.
+    Whole-array numpy checks: the per-token Python scans here (vocabulary, stop tokens,
+    log-probs) cost 4.4 s of a 3.1 M-token result under cProfile."""
+    counts = Counter(c.prompt_index for c in r.completions)
+    for i, size in enumerate(groups):
+        if counts.get(i, 0) != size:
+            return f"prompt {i} has {counts.get(i, 0)} completions, expected {size}"
+    for c in r.completions:
+        if c.prompt_index >= len(groups):
+            return f"completion for prompt {c.prompt_index} outside the task"
+        ids, lps = completion_arrays(c)
+        if ids.size > lim.max_new_tokens:
+            return "completion longer than max_new_tokens"
+        if ids.size and int(ids.max()) >= lim.vocab_size:
+            return "token id outside the vocabulary"
+        if ids.size > 1 and np.isin(ids[:-1], stop_arr).any():
+            # engines stop at the first stop token: text after one cannot be a sample
+            return "completion goes on after a stop token"
+        # a NaN or a -1e30 would poison the step or, clamped, dominate it: refused at the door
+        bad = logprob_array_problem(lps)
+        if bad is not None:
+            return f"completion for prompt {c.prompt_index}: {bad}"
+    return None
+
+
+def compact_rows(n_groups: int, r: AnyResult, lim: Limits, decode_batch: Callable[[list[list[int]]], list[str]]
+                 ) -> tuple[tuple[tuple[CompactSample, ...], ...], tuple[tuple[str, ...], ...]]:
+    """Per prompt of the task, its completions as arrays and their decoded texts (a completion's
+    stop token left out). One decode call for the whole result: per-completion calls were 0.8 s
+    of a 3.1 M-token result's cost (cProfile), mostly the Python<->Rust list crossing each time."""
+    by_prompt: list[list[CompactSample]] = [[] for _ in range(n_groups)]
+    text_ids: list[Any] = []
+    for c in r.completions:
+        ids, lps = completion_arrays(c)
+        last = int(ids[-1]) if ids.size else None
+        finish = finish_of(last, lim.stop_ids)
+        if isinstance(c, PackedCompletion):
+            s = CompactSample(c.token_ids, c.logprobs, True, finish)
+        else:
+            s = CompactSample(ids.astype("<i8").tobytes(), lps.astype("<f8").tobytes(), False, finish)
+        by_prompt[c.prompt_index].append(s)
+    for group in by_prompt:
+        for s in group:
+            ids = np.frombuffer(s.ids, dtype="<i4" if s.packed else "<i8")
+            ids = ids[:-1] if s.finish_reason == "stop" else ids
+            # a packed sample's ids stay an int32 view of the received bytes: the table
+            # detokeniser (detok.py) gathers from arrays; from lists it first pays ~25 ns a token
+            text_ids.append(ids if s.packed else ids.tolist())
+    flat = iter(decode_batch(text_ids))
+    texts = tuple(tuple(next(flat) for _ in g) for g in by_prompt)
+    return tuple(tuple(g) for g in by_prompt), texts
+
+
+def find(r: AnyResult, peer: str, task: TaskView | None, lim: Limits,
+         decode_batch: Callable[[list[list[int]]], list[str]], stop_arr: np.ndarray) -> tuple[str | None, Any, Any]:
+    """(problem, samples, texts) of an opened result against ``task`` (the peer's task in flight
+    that it names, or None: then the dispatcher refuses it and nothing needs checking)."""
+    if task is None or r.node_id != peer:
+        return None, None, None
+    problem = completions_problem(task.group_sizes, r, lim, stop_arr)
+    if problem is not None:
+        return problem, None, None
+    samples, texts = compact_rows(len(task.group_sizes), r, lim, decode_batch)
+    return None, samples, texts
+
+
+def examine(raw: bytes, peer: str, tasks: dict[str, TaskView], lim: Limits,
+            decode_batch: Callable[[list[list[int]]], list[str]], *, now: float | None = None) -> Findings:
+    """Open ``raw`` (a Result envelope that ``peer``'s connection sent) and check it against the
+    peer's tasks in flight. Raises the envelope's Echo2Error (TooLarge, BadSignature, ...)."""
+    allowed: Callable[[str, type], bool] = lambda signer, _t: signer == peer  # noqa: E731
+    v = envelope.open_envelope(raw, (PackedResult, Result), now=now, replay=None, allowed=allowed, max_size=MAX_RESULT)
+    r = v.message
+    stop_arr = np.array(sorted(lim.stop_ids), dtype=np.int64)
+    problem, samples, texts = find(r, peer, tasks.get(r.task_id), lim, decode_batch, stop_arr)
+    return Findings(v.signer, v.nonce, v.expires, r.task_id, r.task_hash, r.node_id, r.version, len(r.completions),
+                    result_tokens(r), problem, samples, texts)
+
+
+def check_replay(replay: ReplayCheck | None, f: Findings, now: float) -> None:
+    """The envelope's replay step (6), applied by the hub to findings that came back: the same
+    rule as :func:`echo2.protocol.envelope.open_envelope` (an expiry beyond the window is refused,
+    then the nonce must be new)."""
+    if replay is None:
+        return
+    if f.expires > now + replay.window_s:
+        raise Expired(f"result from {f.signer} expires {f.expires - now:.0f}s from now, "
+                      f"beyond the {replay.window_s:.0f}s replay window")
+    replay.check_and_add(f.signer, f.nonce, f.expires, now)
+
+
+def error_to_wire(exc: Echo2Error) -> tuple[str, str]:
+    """An envelope error as (class name, message): the hub raises the same class again."""
+    return type(exc).__name__, exc.message
+
+
+def error_from_wire(name: str, message: str) -> Echo2Error:
+    cls = getattr(perrors, name, None)
+    if isinstance(cls, type) and issubclass(cls, Echo2Error):
+        return cls(message)
+    return MeaningError(message)
