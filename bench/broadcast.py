@@ -118,6 +118,21 @@ def _spawn_nodes(n: int, hub_addr: str, hub_peer: str, link_MBps: float, root: s
     return procs
 
 
+def _cpu_seconds(pids: list[int]) -> float:
+    """User + system CPU seconds of these processes (all their threads) so far, from /proc (Linux);
+    a process that is gone counts 0."""
+    tick = os.sysconf("SC_CLK_TCK")
+    total = 0.0
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        total += (int(fields[11]) + int(fields[12])) / tick  # utime, stime: fields 14 and 15 of stat(5)
+    return total
+
+
 def _stop_nodes(procs: list[Any], net: Any = None) -> None:
     import subprocess
 
@@ -223,11 +238,18 @@ async def _real_mode(mode: str, n: int, mbytes: float, link_MBps: float, hub_MBp
                                               if p in hello else None)
                 log.info("dial-back: %d of %d nodes reachable", sum(reachable.values()), len(reachable))
             await publisher.publish(1, state)
+            # CPU of the broadcast only (packing is the publisher's, before): every node process
+            # (``ip netns exec`` execs the node in place, so the pid is the node's) and this hub.
+            pids = [p.pid for p in procs] + [os.getpid()]
+            cpu0, hub_cpu0 = _cpu_seconds(pids), _cpu_seconds([os.getpid()])
             sender.notify()
             limit = 20 * mbytes / min(link_MBps, hub_MBps) * max(1.0, n / 4) + 60
             with trio.fail_after(limit):
                 while sender.holders(1) < n:
                     await sender.changed.wait()
+            cpu_s = _cpu_seconds(pids) - cpu0
+            hub_cpu_s = _cpu_seconds([os.getpid()]) - hub_cpu0
+            load1 = os.getloadavg()[0]
             await trio.sleep(1.0)  # late stats reports
             m = sender.version_metrics(1)
             peer_sent = dict(sender.metrics[1].peer_sent) if 1 in sender.metrics else {}
@@ -255,6 +277,13 @@ async def _real_mode(mode: str, n: int, mbytes: float, link_MBps: float, hub_MBp
         "netns": net is not None,
         "nat_nodes": sum(1 for v in reachable.values() if not v),
         "nat_sent_bytes": sum(int(peer_sent.get(p, 0)) for p, v in reachable.items() if not v),
+        # CPU of the node processes and the hub from publication until the last node held the
+        # version, per GB (10**9 bytes) of chunk bytes relayed (sent by the hub and by peers).
+        # Kernel work outside these processes (softirqs, tbf) is not in it.
+        "cpu_seconds": cpu_s,
+        "hub_cpu_seconds": hub_cpu_s,
+        "cpu_s_per_GB": cpu_s / (max(1, hub_sent + int(m["peer_sent_bytes"])) / 1e9),
+        "loadavg_1m": load1,
     }
 
 
@@ -376,6 +405,9 @@ def run(args: argparse.Namespace) -> int:
         print(f"{r['mode']:<10} {r['nodes']:>6} {r['seconds']:>10.2f} {r['median_seconds']:>10.2f} "
               f"{r['ideal_seconds']:>8.2f} {r['ratio']:>7.3f} {int(r['hub_sent_bytes']) / 1e6:>9.1f} "  # type: ignore[call-overload]
               f"{int(r['peer_sent_bytes']) / 1e6:>10.1f}")  # type: ignore[call-overload]
+        if "cpu_s_per_GB" in r:
+            print(f"{'':<10} first {r['first_seconds']:.2f}s; CPU {r['cpu_seconds']:.2f}s (hub {r['hub_cpu_seconds']:.2f}s) = "
+                  f"{r['cpu_s_per_GB']:.1f} CPU-s per GB relayed; load average {r['loadavg_1m']:.1f}")
         if "ratio_fluid" in r:
             print(f"{'':<10} fluid bound {r['fluid_seconds']:.2f}s, ratio to it {r['ratio_fluid']:.3f}; "
                   f"{r['nat_nodes']} NATed uploaded {int(r['nat_sent_bytes']) / 1e6:.1f} MB; "  # type: ignore[call-overload]

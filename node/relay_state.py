@@ -110,7 +110,9 @@ class Broadcast:
     plan: WirePlan
     relay: Relay
     t0: float
-    encoded: dict[int, bytes] = field(default_factory=dict)
+    encoded: dict[int, bytes | memoryview] = field(default_factory=dict)
+    # the CHUNK frames (payload, key) these encodings came in, verified: forwarded as they are
+    frames: dict[int, tuple[bytearray, bytes]] = field(default_factory=dict)
     need_full: set[int] = field(default_factory=set)
     full_queued: set[int] = field(default_factory=set)  # full encodings waiting to be decoded
     full_asked_at: float = -math.inf
