@@ -77,6 +77,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--netns", action="store_true",
                         help="real runs in network namespaces (root): hub and nodes each on a host whose upload the "
                              "kernel's tbf shapes at --link-MBps, no token bucket (bench/netns.py)")
+    parser.add_argument("--tbf-burst", dest="tbf_burst", default=None,
+                        help="with --netns: depth of each host's token bucket, in tc's units (default: "
+                             "bench/netns.py DEFAULT_BURST, 128kb; 32kb reproduces the earlier runs)")
     wan = parser.add_argument_group("wide area (--simulate only; bench/wan_sim.py)")
     wan.add_argument("--rates", type=_rates, default=None, metavar="LO:HI",
                      help="node uploads drawn log-uniform in LO..HI MB/s (e.g. 2:125); the hub at --hub-MBps or --link-MBps")
@@ -275,6 +278,7 @@ async def _real_mode(mode: str, n: int, mbytes: float, link_MBps: float, hub_MBp
         "chunk_bytes": chunk,
         "simulated": False,
         "netns": net is not None,
+        "tbf_burst": net.burst if net is not None else None,
         "nat_nodes": sum(1 for v in reachable.values() if not v),
         "nat_sent_bytes": sum(int(peer_sent.get(p, 0)) for p, v in reachable.items() if not v),
         # CPU of the node processes and the hub from publication until the last node held the
@@ -310,7 +314,8 @@ def run_real(args: argparse.Namespace) -> list[dict[str, object]]:
 
                     # a fresh LAN per row: host 0 is the hub, hosts 1..n the nodes
                     homes = frozenset(range(n + 1 - args.nat, n + 1))  # the last --nat nodes
-                    with Net(n + 1, args.link_MBps, nat=homes) as net, net.inside(0):
+                    burst = {"burst": args.tbf_burst} if getattr(args, "tbf_burst", None) else {}
+                    with Net(n + 1, args.link_MBps, nat=homes, **burst) as net, net.inside(0):
                         row = trio.run(_real_mode, mode, n, args.mbytes, args.link_MBps, hub_MBps, chunk, root,
                                        180.0, net)
                 else:

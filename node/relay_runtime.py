@@ -551,7 +551,7 @@ class RelayNode:
         b = self.bc
         if b is None:
             return
-        b.have_sent = len(b.relay.have)
+        b.have_sent, b.have_at = len(b.relay.have), trio.current_time()
         for link in list(self.links.values()):
             self._spawn(self._send_have, link)
 
@@ -565,7 +565,7 @@ class RelayNode:
             now = trio.current_time()
             if len(b.relay.have) < len(b.manifest.chunks):
                 self._act(b, b.relay.on_tick(now))
-            if len(b.relay.have) != b.have_sent:
+            if len(b.relay.have) != b.have_sent and (now - b.have_at >= self.cfg.have_interval_s or b.relay.complete_sent):
                 await self._send_have_all()
             if b.need_full and now - b.full_asked_at > self.cfg.request_timeout_s:
                 b.full_asked_at = now
