@@ -169,7 +169,7 @@ async def _dial_back(sender: Any, timeout_s: float = 3.0) -> dict[str, bool]:
     out: dict[str, bool] = {}
 
     async def one(peer: str) -> None:
-        link, hello = sender.links.get(peer), sender.hello.get(peer)
+        link, hello = sender.driver.links.get(peer), sender.hello.get(peer)  # star and pipelined alike
         target = data_dial_target(hello.data_addr if hello else "", link.conn.remote_ip() if link else None)
         ok = False
         if target is not None:
