@@ -74,6 +74,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="per-chunk hop overhead in the simulation (default 2 ms)")
     parser.add_argument("--nat", type=int, default=0,
                         help="with --netns: this many nodes live in homes behind their own NAT router (MASQUERADE)")
+    parser.add_argument("--punch", action="store_true",
+                        help="with --nat: NATed nodes in different homes are joined by TCP hole punching that the hub "
+                             "coordinates (hub nat_punch; node/punch.py); a failed punch falls back to a reachable parent")
+    parser.add_argument("--isolate-homes", dest="isolate_homes", action="store_true",
+                        help="with --nat: home routers drop traffic to other homes (every punch fails: the fallback)")
     parser.add_argument("--netns", action="store_true",
                         help="real runs in network namespaces (root): hub and nodes each on a host whose upload the "
                              "kernel's tbf shapes at --link-MBps, no token bucket (bench/netns.py)")
@@ -96,7 +101,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _spawn_nodes(n: int, hub_addr: str, hub_peer: str, link_MBps: float, root: str,
-                 corrupt: frozenset[int] = frozenset(), net: Any = None) -> list[Any]:
+                 corrupt: frozenset[int] = frozenset(), net: Any = None, punch: bool = False) -> list[Any]:
     """Node ``i`` on 127.0.0.1 behind its token bucket, or (``net``: a ``bench.netns.Net``) in
     host ``i + 1``'s namespace, its upload shaped by the kernel only (it announces the link rate)."""
     import subprocess
@@ -113,6 +118,8 @@ def _spawn_nodes(n: int, hub_addr: str, hub_peer: str, link_MBps: float, root: s
             cmd += ["--announce-MBps", str(link_MBps), "--host", net.ip(i + 1)]
         if i in corrupt:
             cmd.append("--corrupt")
+        if punch:
+            cmd.append("--punch")
         with open(os.path.join(d, "log.txt"), "wb") as logf:
             if net is None:
                 procs.append(subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=logf))
@@ -191,7 +198,7 @@ async def _dial_back(sender: Any, timeout_s: float = 3.0) -> dict[str, bool]:
 
 
 async def _real_mode(mode: str, n: int, mbytes: float, link_MBps: float, hub_MBps: float, chunk: int,
-                     root: str, connect_timeout_s: float = 180.0, net: Any = None) -> dict[str, object]:
+                     root: str, connect_timeout_s: float = 180.0, net: Any = None, punch: bool = False) -> dict[str, object]:
     """One broadcast of ``mbytes`` to ``n`` real node processes. Under ``net`` (a netns LAN), the
     hub first learns each node's reachability by dialing it back, so NATed nodes (``net.nat``)
     are planned as such."""
@@ -213,7 +220,8 @@ async def _real_mode(mode: str, n: int, mbytes: float, link_MBps: float, hub_MBp
         sender = StarWithHolds(StarSender(publisher))
     else:
         # NATed nodes relay too (reverse connections to reachable children) when there are homes
-        sender = PipelinedSender(publisher, identity, hub_upload_MBps=hub_MBps, nat_relay=bool(net and net.nat))
+        sender = PipelinedSender(publisher, identity, hub_upload_MBps=hub_MBps, nat_relay=bool(net and net.nat),
+                                 nat_punch=punch)
     # under --netns the hub's upload is the kernel's tbf on host 0, not a token bucket
     server = DataPlaneServer(identity, sender.serve_connection, upload_limiter=None if net else UploadLimiter(hub_MBps),
                              max_connections=max(256, 4 * n), host=net.ip(0) if net else "127.0.0.1")
@@ -226,7 +234,8 @@ async def _real_mode(mode: str, n: int, mbytes: float, link_MBps: float, hub_MBp
             await nursery.start(server.serve)
             if mode == "pipelined":
                 sender.data_addr = server.addr
-            procs = _spawn_nodes(n, server.addr, identity.peer_id, link_MBps, os.path.join(root, mode), net=net)
+            procs = _spawn_nodes(n, server.addr, identity.peer_id, link_MBps, os.path.join(root, mode), net=net,
+                                 punch=punch)
             with trio.fail_after(connect_timeout_s):
                 while len(sender.hello) < n:
                     await sender.changed.wait()
@@ -240,6 +249,8 @@ async def _real_mode(mode: str, n: int, mbytes: float, link_MBps: float, hub_MBp
                 sender.node_info = lambda p: (PeerInfo(hello[p].data_addr, hello[p].upload_Bps, reachable.get(p, False))
                                               if p in hello else None)
                 log.info("dial-back: %d of %d nodes reachable", sum(reachable.values()), len(reachable))
+            # NATed nodes whose hub link came from their listen port unchanged (their NAT keeps it)
+            punchable = sum(1 for p, v in reachable.items() if not v and sender.punch_addr_of(p)) if punch else 0
             await publisher.publish(1, state)
             # CPU of the broadcast only (packing is the publisher's, before): every node process
             # (``ip netns exec`` execs the node in place, so the pid is the node's) and this hub.
@@ -288,6 +299,12 @@ async def _real_mode(mode: str, n: int, mbytes: float, link_MBps: float, hub_MBp
         "hub_cpu_seconds": hub_cpu_s,
         "cpu_s_per_GB": cpu_s / (max(1, hub_sent + int(m["peer_sent_bytes"])) / 1e9),
         "loadavg_1m": load1,
+        # hole punching (--punch): NAT<->NAT pairs planned, punched, and fallen back to other parents
+        "punch": punch,
+        "punchable_nodes": punchable,
+        "punch_planned": int(m.get("punch_planned", 0)),
+        "punched": int(m.get("punched", 0)),
+        "punch_fallbacks": int(m.get("punch_fallbacks", 0)),
     }
 
 
@@ -315,9 +332,10 @@ def run_real(args: argparse.Namespace) -> list[dict[str, object]]:
                     # a fresh LAN per row: host 0 is the hub, hosts 1..n the nodes
                     homes = frozenset(range(n + 1 - args.nat, n + 1))  # the last --nat nodes
                     burst = {"burst": args.tbf_burst} if getattr(args, "tbf_burst", None) else {}
-                    with Net(n + 1, args.link_MBps, nat=homes, **burst) as net, net.inside(0):
+                    with Net(n + 1, args.link_MBps, nat=homes, isolate_homes=getattr(args, "isolate_homes", False),
+                             **burst) as net, net.inside(0):
                         row = trio.run(_real_mode, mode, n, args.mbytes, args.link_MBps, hub_MBps, chunk, root,
-                                       180.0, net)
+                                       180.0, net, bool(getattr(args, "punch", False)))
                 else:
                     row = trio.run(_real_mode, mode, n, args.mbytes, args.link_MBps, hub_MBps, chunk, root)
                 used = int(row["chunk_bytes"])  # type: ignore[call-overload]
@@ -400,6 +418,8 @@ def run(args: argparse.Namespace) -> int:
         raise SystemExit("--nat-share and --punch-p in [0, 1], --churn in [0, 1)")
     if args.nat and not (getattr(args, "netns", False) and 0 < args.nat <= min(args.nodes)):
         raise SystemExit("--nat K needs --netns and 0 < K <= --nodes")
+    if getattr(args, "punch", False) and not args.nat:
+        raise SystemExit("--punch needs --netns --nat K")
     if args.simulate and _wide_area(args):
         args.mode = ["pipelined"]
         rows = run_wan(args)
@@ -422,6 +442,10 @@ def run(args: argparse.Namespace) -> int:
             nat_n = int(r["nat_nodes"])  # type: ignore[call-overload]
             print(f"{'':<10} {nat_n} NATed nodes (dial-back failed) uploaded {int(r['nat_sent_bytes']) / 1e6:.1f} MB, "  # type: ignore[call-overload]
                   f"{int(r['nat_sent_bytes']) / nat_n / 1e6:.1f} MB each")  # type: ignore[call-overload]
+            if r.get("punch"):
+                print(f"{'':<10} hole punching: {r['punchable_nodes']} NATed nodes kept their listen port; "
+                      f"{r['punch_planned']} NAT<->NAT pairs planned, {r['punched']} punched, "
+                      f"{r['punch_fallbacks']} fell back to other parents")
     if args.json:
         nodes: object = args.nodes[0] if len(args.nodes) == 1 else args.nodes
         doc = {"nodes": nodes, "mbytes": args.mbytes, "link_MBps": args.link_MBps, "hub_MBps": args.hub_MBps,

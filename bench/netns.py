@@ -116,7 +116,7 @@ class Net:
 
     def __init__(self, n_hosts: int, rate_MBps: float, *, prefix: str | None = None, subnet: str = DEFAULT_SUBNET,
                  burst: str = DEFAULT_BURST, latency: str = "50ms", mtu: int = 1500,
-                 nat: frozenset[int] | set[int] = frozenset()) -> None:
+                 nat: frozenset[int] | set[int] = frozenset(), isolate_homes: bool = False) -> None:
         if not 1 <= n_hosts <= 250:
             raise ValueError("n_hosts must be in 1..250")
         if rate_MBps <= 0:
@@ -127,6 +127,9 @@ class Net:
         if nat and not shutil.which("nft"):
             raise RuntimeError("homes behind NAT need nft (Debian package nftables)")
         self.nat = frozenset(nat)
+        # routers drop what their home sends to another home (a firewall, or a carrier-grade NAT
+        # that no hole gets through): hole punching between homes fails, tests its fallback
+        self.isolate_homes = isolate_homes
         self.rate_MBps = float(rate_MBps)
         # a fresh prefix per run: two runs at once (or a crashed one's leftovers) never collide
         self.prefix = prefix or f"e2{uuid.uuid4().hex[:6]}"
@@ -197,6 +200,11 @@ class Net:
                 f"  chain {hook} {{", f"    type filter hook {hook} priority 0; policy accept;",
                 '    iifname "wan0" ct state established,related accept', '    iifname "wan0" drop', "  }")),
             "}", ""])
+        others = sorted(self.public_ip(j) for j in self.nat if j != i)
+        if self.isolate_homes and others:
+            rules += "\n".join([
+                "table inet isolate {", "  chain forward {", "    type filter hook forward priority -1; policy accept;",
+                f'    oifname "wan0" ip daddr {{ {", ".join(others)} }} drop', "  }", "}", ""])
         subprocess.run(["ip", "netns", "exec", r, "nft", "-f", "-"], input=rules, text=True, check=True,
                        capture_output=True, timeout=30)
         _sh(["ip", "netns", "exec", h, "tc", "qdisc", "replace", "dev", "eth0", "root", "tbf",

@@ -60,6 +60,7 @@ from echo2.protocol.wire import (
     REQ_GET,
     REQ_HAVE,
     REQ_HELLO,
+    REQ_PUNCH,
     REQ_STATS,
     decode_request,
     encode_request,
@@ -67,7 +68,8 @@ from echo2.protocol.wire import (
 )
 
 from .broadcast_book import UNLIMITED_BPS, HubSide, PeerInfo, PublishedSource, VersionMetrics
-from .planner import NodeInfo, Plan, plan_broadcast, replan
+from .links import announced_port, punch_addr
+from .planner import NodeInfo, Plan, plan_broadcast, replan, unpunch
 from .publisher import PolicyPublisher, Published, StarSender
 from .relay_challenge import Challenges, intact
 
@@ -103,6 +105,7 @@ class PipelinedSender(HubSide):
         node_info: Callable[[str], PeerInfo | None] | None = None,
         stripes: int | None = None,
         nat_relay: bool = False,
+        nat_punch: bool = False,
         window: int = 2,
         plan_ttl_s: float = 24 * 3600.0,
         progress_timeout_s: float = 1.0,
@@ -116,6 +119,9 @@ class PipelinedSender(HubSide):
         self.data_addr = data_addr
         self.stripes = stripes
         self.nat_relay = nat_relay  # NAT-bound nodes relay to reachable children (planner)
+        # NAT-bound nodes relay to NAT-bound children too, over holes both ends punch (node.punch)
+        self.nat_punch = nat_punch
+        self.no_punch: set[frozenset[str]] = set()  # pairs whose punch failed: never planned again
         self.window = window
         self.plan_ttl_s = plan_ttl_s
         self.progress_timeout_s = progress_timeout_s
@@ -153,8 +159,17 @@ class PipelinedSender(HubSide):
             if info is None or peer in self.demoted or peer in self.distrusted:
                 out.append(NodeInfo(peer, 0.0, False))  # unknown or untrusted: a leaf everywhere
             else:
-                out.append(NodeInfo(peer, info.upload_Bps, info.reachable and bool(info.data_addr)))
+                reach = info.reachable and bool(info.data_addr)
+                out.append(NodeInfo(peer, info.upload_Bps, reach, punchable=not reach and bool(self.punch_addr_of(peer))))
         return out
+
+    def punch_addr_of(self, peer: str) -> str:
+        """The public ip:port a hole can be punched to at ``peer`` (links.punch_addr), or ""."""
+        link, hello = self.links.get(peer), self.hello.get(peer)
+        if not self.nat_punch or link is None or hello is None:
+            return ""
+        return punch_addr(link.conn.remote_ip(), link.conn.remote_port(), self.lport.get(peer, 0),
+                          announced_port(hello.data_addr))
 
     def _plan_message(self, plan: Plan) -> bytes:
         nodes = plan.nodes
@@ -164,6 +179,9 @@ class PipelinedSender(HubSide):
         addrs = {n: a.data_addr for n in nodes if (a := self.info(n)) is not None and a.data_addr and a.reachable}
         if self.data_addr:
             addrs[self.hub] = self.data_addr
+        # the two ends of every NAT<->NAT edge: where the other end punches to (node.punch)
+        ends = {n for _s, p, c in plan.punch_edges() for n in (p, c)}
+        punch = {n: pa for n in sorted(ends) if (pa := self.punch_addr_of(n))}
         keys = set(nodes) | {self.hub}
         msg = BroadcastPlan(
             version=plan.version,
@@ -176,6 +194,7 @@ class PipelinedSender(HubSide):
             },
             data_addrs=addrs,
             created=time.time(),
+            punch_addrs=punch,
         )
         return envelope.seal(self.identity, msg, ttl_s=self.plan_ttl_s)
 
@@ -187,14 +206,16 @@ class PipelinedSender(HubSide):
         # a peer that left and came back starts afresh (and the map stays bounded)
         self.demoted = {p: v for p, v in self.demoted.items() if p in self.links}
         m = pub.packed.manifest
+        self.no_punch = {pair for pair in self.no_punch if pair <= self.links.keys()}  # bounded by the fleet
         plan = plan_broadcast(
             pub.version, self.hub_upload_Bps, self._node_infos(), len(m.chunks), hub=self.hub, stripes=self.stripes,
-            nat_relay=self.nat_relay,
+            nat_relay=self.nat_relay, nat_punch=self.nat_punch, no_punch=self.no_punch,
         )
         relay = Relay(self.hub, plan, [c.enc_hash for c in m.chunks], have=range(len(m.chunks)),
                       now=trio.current_time(), window=self.window)
         metrics = self._metrics_for(pub)
         metrics.nodes = len(plan.nodes)
+        metrics.punch_planned |= {frozenset((p, c)) for _s, p, c in plan.punch_edges()}
         self.cur = _Current(pub, plan, relay, self._plan_message(plan), metrics)
         self._remember(plan)
         self._started_at = trio.current_time()
@@ -205,15 +226,44 @@ class PipelinedSender(HubSide):
             link.put(("manifest", pub.version, pub.manifest_envelope))
         self.driver.act(relay.start(now=trio.current_time()))
 
+    def _on_punch(self, peer: str, d: dict[str, object]) -> None:
+        """A node's word on a punch to ``d["peer"]`` (node.punch): counted if that pair is an
+        edge of the current plan; a failure moves the edge's child to another parent (planner
+        ``unpunch``: a reachable relay or the hub, never a relay for bulk data) and the pair is
+        not planned again. A node can only move its own edges this way."""
+        cur = self.cur
+        other = d["peer"]
+        if cur is None or d["v"] != cur.pub.version or not isinstance(other, str):
+            return
+        pair = frozenset((peer, other))
+        if not any(frozenset((p, c)) == pair for _s, p, c in cur.plan.punch_edges()):
+            return
+        m = cur.metrics
+        if d["ok"]:
+            m.punched.add(pair)
+            return
+        m.punch_failed.add(pair)
+        self.no_punch.add(pair)
+        plan, moved = unpunch(cur.plan, peer, other)
+        log.warning("broadcast v%d: punch %s <-> %s failed; %d edge(s) fall back to other parents",
+                    cur.pub.version, peer, other, moved)
+        self._install(plan)
+
     def _repair(self, left: Sequence[str] = (), joined: Sequence[NodeInfo] = (), *, joiner: RelayLink | None = None) -> None:
         cur = self.cur
         if cur is None:
             return
-        cur.plan = replan(cur.plan, left=left, joined=joined)
+        log.info("broadcast v%d repaired: -%s +%s", cur.pub.version, list(left), [j.node_id for j in joined])
+        self._install(replan(cur.plan, left=left, joined=joined), joiner=joiner)
+
+    def _install(self, plan: Plan, *, joiner: RelayLink | None = None) -> None:
+        """A repaired plan of the current version: signed, sent to every node, followed here."""
+        cur = self.cur
+        assert cur is not None
+        cur.plan = plan
         self._remember(cur.plan)
         cur.plan_env = self._plan_message(cur.plan)
         cur.metrics.replans += 1
-        log.info("broadcast v%d repaired: -%s +%s", cur.pub.version, list(left), [j.node_id for j in joined])
         for link in self.links.values():
             link.put(("msg", cur.pub.version, cur.plan_env))
         if joiner is not None:
@@ -403,6 +453,8 @@ class PipelinedSender(HubSide):
             # Answered, and never held against the pulling node's parent: a child's pull is its
             # word, not evidence (A9); a relay that stops reading is caught by _check_progress.
             self.driver.on_get(peer, r)
+        elif kind == REQ_PUNCH:
+            self._on_punch(peer, d)
         elif kind == REQ_FULL:
             r = d["m"]
             if r.version == cur.pub.version:

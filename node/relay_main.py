@@ -32,6 +32,8 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
                    help="upload told the hub's planner (default: --upload-MBps); for links shaped by the kernel")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--stall-s", dest="stall_s", type=float, default=RelayConfig.stall_timeout_s)
+    p.add_argument("--punch", action="store_true",
+                   help="hole punching: share the listen port, leave from it to the hub, punch to NAT-bound plan peers")
     p.add_argument("--corrupt", action="store_true", help="fault injection: corrupt every chunk sent")
     p.add_argument("--log-level", default="WARNING")
     return p.parse_args(argv)
@@ -43,7 +45,8 @@ def main(argv: list[str] | None = None) -> int:
     os.makedirs(args.dir, exist_ok=True)
     identity = load_or_create_identity(os.path.join(args.dir, "node.key"))
     store = ChunkStore(os.path.join(args.dir, "store"))
-    cfg = RelayConfig(upload_MBps=args.upload_MBps, announce_MBps=args.announce_MBps, stall_timeout_s=args.stall_s, corrupt_sends=args.corrupt)
+    cfg = RelayConfig(upload_MBps=args.upload_MBps, announce_MBps=args.announce_MBps, stall_timeout_s=args.stall_s, corrupt_sends=args.corrupt,
+                      punch=args.punch)
 
     async def amain() -> None:
         node = RelayNode(identity, store, args.hub_peer, args.hub_addr, cfg, host=args.host)

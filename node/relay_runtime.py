@@ -69,17 +69,20 @@ from echo2.protocol.wire import (
     REQ_GET,
     REQ_HAVE,
     REQ_HELLO,
+    REQ_PUNCH,
     REQ_STATS,
     decode_request,
     encode_request,
     unpack_chunk_frame,
 )
 
+from . import punch
 from .chunkstore import ChunkStore
 from .relay_guard import PeerGate
 from .relay_state import (
     Broadcast,
     HeldInfo,
+    PunchEdge,
     RelayConfig,
     budget_refusal,
     is_news,
@@ -160,13 +163,16 @@ class RelayNode:
         #: a version this node cannot store (its disk cap or free disk): (version, why)
         self.on_refused: Callable[[int, str], None] | None = None
         self.limiter = UploadLimiter(self.cfg.upload_MBps) if self.cfg.upload_MBps > 0 else None
-        self.server = DataPlaneServer(identity, self._serve, host=host, port=port, upload_limiter=self.limiter)
+        self.server = DataPlaneServer(identity, self._serve, host=host, port=port, upload_limiter=self.limiter,
+                                      reuse_port=self.cfg.punch)
         source = _StoreSource(self)
         self.driver = RelayDriver(
             source, on_unlinked=self._on_unlinked, on_request=self._on_pull,
             on_report=self._on_report, on_sent=self._on_sent, ready_frame=source.ready,
         )
         self._dialing: dict[str, trio.Event] = {}
+        self._punching: set[str] = set()
+        self.punches: deque[punch.PunchOutcome] = deque(maxlen=256)  # the latest outcomes, for inspection
         self._pending: dict[str, dict[tuple[int, int], None]] = {}  # peer -> sends waiting for its link
         self.gate = PeerGate(self.me, hub_peer)
         self.bc: Broadcast | None = None
@@ -203,19 +209,46 @@ class RelayNode:
         backoff = Backoff(base_s=0.2, cap_s=5.0)
         while True:
             try:
+                stream, lport = await self._hub_stream()
                 conn = await connect(
                     self.hub_addr, self.identity, self.hub_peer,
-                    timeout_s=self.cfg.connect_timeout_s, upload_limiter=self.limiter,
+                    timeout_s=self.cfg.connect_timeout_s, upload_limiter=self.limiter, stream=stream,
                 )
                 backoff.reset()
                 async with conn:
-                    await conn.send_request(encode_request(REQ_HELLO, addr=self.data_addr, up=float(self.cfg.announce_MBps or self.cfg.upload_MBps)))
+                    await conn.send_request(encode_request(REQ_HELLO, addr=self.data_addr, up=float(self.cfg.announce_MBps or self.cfg.upload_MBps), lport=lport))
                     await self._link_main(conn)
                 delay = backoff.failed()  # a link that ended is retried soon, then less often
             except (Echo2Error, OSError) as exc:
                 delay = backoff.failed()
                 log.warning("hub data link lost (%s); reconnecting in %.1fs", exc, delay)
             await trio.sleep(delay)
+
+    async def _hub_stream(self) -> tuple[trio.SocketStream | None, int]:
+        if not self.cfg.punch:
+            return None, 0
+        return await punch.hub_stream(self.server.host, self.server.port, self.hub_addr, self.cfg.connect_timeout_s)
+
+    async def _punch(self, version: int, edge: PunchEdge) -> None:
+        """Punch a hole to a NAT-bound plan peer (node.punch) and tell the hub how it went: on a
+        failure it moves the child of that edge to another parent."""
+        self._punching.add(edge.peer)
+        try:
+            assert self._nursery is not None
+            res = await punch.punch_link(
+                self.server, self.identity, edge, nursery=self._nursery, on_dialed=self._link_main_dialed,
+                linked=lambda p: p in self.links, window_s=self.cfg.punch_window_s,
+                handshake_timeout_s=self.cfg.connect_timeout_s, upload_limiter=self.limiter,
+            )
+        finally:
+            self._punching.discard(edge.peer)
+        self.punches.append(res)
+        hub = self.links.get(self.hub_peer)
+        if hub is not None:
+            try:
+                await hub.conn.send_request(encode_request(REQ_PUNCH, v=version, peer=edge.peer, ok=res.ok, s=res.seconds))
+            except Echo2Error as exc:
+                log.debug("punch report to the hub failed: %s", exc)
 
     async def _serve(self, conn: DataConnection) -> None:
         if not await self.gate.admit(conn.peer_id):
@@ -389,6 +422,10 @@ class RelayNode:
         for p in b.plan.dial_targets(self.me) | {p for p in b.relay.parents if p in b.plan.data_addrs}:
             if p not in (self.me, self.hub_peer) and p not in self.links:
                 self._spawn(self._ensure_link, p)
+        if self.cfg.punch:  # NAT-bound peers of ours, when we are NAT-bound too (WirePlan.punch_targets)
+            for peer, edge in b.plan.punch_targets(self.me).items():
+                if peer not in self.links and peer not in self._punching:
+                    self._spawn(self._punch, b.version, edge)
 
     async def _on_chunk(self, peer: str, payload: bytes | bytearray, key: bytes | None = None) -> None:
         # key: the frame's blake3 (checked on receipt): forwarded as it came, no copy or hash per child

@@ -34,6 +34,10 @@ class RelayConfig:
     max_memory_bytes: int = 0
     disk_reserve_bytes: int = 256 * 1024**2  # left free on the store's disk
     max_disk_bytes: int = 0  # what the chunk store may hold (the volunteer's disk cap; 0 = none)
+    # hole punching (node.punch): the listen port is shared (SO_REUSEPORT), the hub link leaves
+    # from it (so the hub sees its NAT mapping), and plan edges to NAT-bound peers are punched
+    punch: bool = False
+    punch_window_s: float = 4.0  # a failed punch is reported after it (the child then moves)
 
 
 @dataclass
@@ -45,6 +49,8 @@ class WirePlan:
     parent: list[dict[str, str]]
     children: list[dict[str, list[str]]]
     data_addrs: dict[str, str] = field(default_factory=dict)
+    # NAT-bound ends of punched edges: the public ip:port their NAT maps their listen port to
+    punch_addrs: dict[str, str] = field(default_factory=dict)
 
     def peers(self) -> set[str]:
         """Every node the plan names (parents and children of this node, and the rest)."""
@@ -74,6 +80,37 @@ class WirePlan:
         out.discard(me)
         return out
 
+    def punch_targets(self, me: str) -> dict[str, PunchEdge]:
+        """The peers this node punches a hole to (pure; both ends decide alike): an edge whose
+        ends both lack a data address (both NAT-bound: nobody can dial the other) and both have a
+        punch address. Each end connects from its listen port to the other's punch address at
+        once (TCP simultaneous open, :mod:`echo2.node.punch`); the handshake roles follow the
+        peer IDs (the lower one speaks as the dialer), so an edge used in both directions (in two
+        stripes) is one connection and both ends agree on the roles."""
+        if me in self.data_addrs or me not in self.punch_addrs:
+            return {}
+        ends: set[str] = set()
+        for s in range(self.stripes):
+            p = self.parent[s].get(me)
+            if p is not None and p != self.hub:
+                ends.add(p)
+            ends.update(self.children[s].get(me, ()))
+        ends.discard(me)
+        return {
+            peer: PunchEdge(peer, self.punch_addrs[peer], dialer=me < peer)
+            for peer in sorted(ends)
+            if peer not in self.data_addrs and peer in self.punch_addrs
+        }
+
+
+@dataclass(frozen=True)
+class PunchEdge:
+    """One hole to punch: ``peer``'s public ``addr`` and this end's role in the handshake."""
+
+    peer: str
+    addr: str
+    dialer: bool  # speak as the dialer (name the peer we expect); else as the listener (the gate admits it)
+
 
 def plan_from_message(msg: BroadcastPlan, hub: str) -> WirePlan:
     s = msg.stripes
@@ -90,7 +127,7 @@ def plan_from_message(msg: BroadcastPlan, hub: str) -> WirePlan:
         for i, cs in enumerate(per_stripe):
             if cs:
                 children[i][p] = list(cs)
-    return WirePlan(hub, s, parent, children, dict(msg.data_addrs))
+    return WirePlan(hub, s, parent, children, dict(msg.data_addrs), dict(msg.punch_addrs))
 
 
 def star_view(me: str, hub: str) -> WirePlan:

@@ -299,7 +299,10 @@ class Node(TaskLoop):
             self.store,
             self.hub_peer,
             self._hub_data_addr,
-            RelayConfig(upload_MBps=self.cfg.max_upload_MBps, max_disk_bytes=self.pauser.prefs.max_disk_MiB * 1024**2),
+            # punch: the hub link leaves from the listen port, so that a hub with nat_punch can
+            # join this node to another NAT-bound one by a punched hole (node.punch)
+            RelayConfig(upload_MBps=self.cfg.max_upload_MBps, max_disk_bytes=self.pauser.prefs.max_disk_MiB * 1024**2,
+                        punch=True),
             host=self.cfg.listen_host,
             on_holds=self._on_relay_holds,
             on_evidence=self._on_evidence,

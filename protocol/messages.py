@@ -347,14 +347,18 @@ class BroadcastPlan(Message):
         "children": Dict(_PEER, List(List(_PEER, MAX_PLAN_PEERS), MAX_STRIPES), MAX_PLAN_PEERS),
         "data_addrs": Dict(_PEER, Str(256), MAX_PLAN_PEERS),
         "created": _ANY_F,
+        "punch_addrs": Dict(_PEER, Str(256), MAX_PLAN_PEERS),
     }
     # One tree per stripe (chunk i travels in stripe i % stripes); the hub is named by its peer ID.
+    # data_addrs: reachable nodes (dialled); punch_addrs: the NAT-bound ends of edges joined by hole
+    # punching, at the public ip:port the hub saw their listen port mapped to (node.punch).
     version: int
     stripes: int
     parents: dict[str, list[str]]
     children: dict[str, list[list[str]]]
     data_addrs: dict[str, str]
     created: float
+    punch_addrs: dict[str, str] = dataclasses.field(default_factory=dict)
 
 
 @dataclass(frozen=True)

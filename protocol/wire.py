@@ -73,6 +73,7 @@ REQ_HAVE = "have"  # ChunkHave
 REQ_GET = "get"  # ChunkRequest: chunks in the manifest's encoding
 REQ_FULL = "full"  # ChunkRequest: full (non-delta) encodings, for a node without the parent
 REQ_STATS = "stats"  # a node's byte counters for a version
+REQ_PUNCH = "punch"  # a node tells the hub how the hole punch to a plan peer went (node.punch)
 
 
 def encode_request(kind: str, **fields: Any) -> bytes:
@@ -93,6 +94,15 @@ def decode_request(payload: bytes | bytearray) -> tuple[str, dict[str, Any]]:
         addr, up = d.get("addr"), d.get("up")
         if not isinstance(addr, str) or len(addr) > 256 or not isinstance(up, (int, float)) or not 0 <= up < 1e12:
             raise SchemaError("hello needs addr (str <= 256) and up (MB/s >= 0)")
+        lport = d.get("lport", 0)  # the local port the node's hub link is bound to (0: none)
+        if not isinstance(lport, int) or isinstance(lport, bool) or not 0 <= lport < 65536:
+            raise SchemaError("hello lport must be a port number (0: none)")
+    elif kind == REQ_PUNCH:
+        v, peer, ok, sec = d.get("v"), d.get("peer"), d.get("ok"), d.get("s")
+        if (not isinstance(v, int) or isinstance(v, bool) or not 0 <= v < 2**63 or not isinstance(peer, str)
+                or not 0 < len(peer) <= 128 or not isinstance(ok, bool) or not isinstance(sec, (int, float))
+                or isinstance(sec, bool) or not 0 <= sec < 1e6):
+            raise SchemaError("punch needs v (int >= 0), peer (str <= 128), ok (bool) and s (seconds)")
     elif kind == REQ_STATS:
         for k in ("v", "sent", "recv"):
             if not isinstance(d.get(k), int) or not 0 <= d[k] < 2**63:

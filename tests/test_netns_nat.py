@@ -92,3 +92,45 @@ def test_swarm_with_nodes_behind_two_nats_relays_and_verifies(tmp_path: Path) ->
     assert row["nodes"] == 4 and row["nat_nodes"] == 2  # the hub's dial-back found both homes
     assert row["nat_sent_bytes"] >= 0.3 * 8e6 * 2  # NATed nodes uploaded (reverse connections)
     assert row["seconds"] >= 0.9 * row["ideal_seconds"]
+
+
+def _bench(tmp_path: Path, *args: str) -> dict[str, object]:
+    out = tmp_path / "r.json"
+    run = subprocess.run([sys.executable, "-m", "echo2", "bench", "broadcast", *args, "--mode", "pipelined",
+                          "--json", str(out)], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    (row,) = json.loads(out.read_text())["results"]
+    assert isinstance(row, dict)
+    return row
+
+
+@pytest.mark.slow
+@pytest.mark.ci  # about 10 s here
+def test_nated_nodes_in_two_homes_relay_to_each_other_over_a_punched_hole(tmp_path: Path) -> None:
+    """Hub and 2 node processes, each node in a home of its own (two NATs between them, inbound
+    dropped): with hole punching (hub nat_punch, node.punch) the hub plans each node as the other's
+    parent in one stripe; both punch from their listen port at the plan's word (simultaneous
+    open), the data plane's handshake runs on the punched connection, and each node receives half
+    the version from the other NATed node. Without the punch no byte could pass between them
+    (bulk data never goes through a relay; the hub takes no chunks from nodes)."""
+    row = _bench(tmp_path, "--netns", "--nat", "2", "--nodes", "2", "--mbytes", "8", "--link-MBps", "8", "--punch")
+    assert row["nodes"] == 2 and row["nat_nodes"] == 2  # the hub's dial-back found both homes
+    assert row["punchable_nodes"] == 2  # MASQUERADE kept each home's listen port: the hub saw it on the hub link
+    assert row["punch_planned"] == 1 and row["punched"] == 1 and row["punch_fallbacks"] == 0
+    assert row["nat_sent_bytes"] >= 0.3 * 8e6 * 2  # NATed parents uploaded to NATed children
+    assert float(row["hub_sent_bytes"]) < 1.5 * 8e6  # type: ignore[arg-type]  # the hub did not send it twice
+
+
+@pytest.mark.slow
+@pytest.mark.ci  # about 12 s here
+def test_failed_punch_falls_back_to_a_direct_parent_never_a_relay(tmp_path: Path) -> None:
+    """The same two homes, but their routers drop what goes to the other home (a firewall, a
+    carrier-grade NAT): the punch fails within its window, the nodes tell the hub, the hub moves
+    the child of that edge to a direct parent (here the hub: no reachable relay exists) and reports
+    the fallback; every node still verifies the version (the bench waits for every signed holds
+    report) and not a byte passed between the homes."""
+    row = _bench(tmp_path, "--netns", "--nat", "2", "--nodes", "2", "--mbytes", "24", "--link-MBps", "8", "--punch",
+                 "--isolate-homes")
+    assert row["punch_planned"] == 1 and row["punched"] == 0 and row["punch_fallbacks"] == 1
+    assert row["nat_sent_bytes"] == 0  # nothing between the homes, and nothing through any relay
+    assert float(row["hub_sent_bytes"]) >= 2 * 24e6  # type: ignore[arg-type]  # each node got it from the hub

@@ -90,6 +90,7 @@ def golden() -> dict[str, Any]:
             {P[0]: [[P[1]], [P[2]]], P[1]: [[], [P[2]]]},
             {P[0]: "a:1", P[1]: "b:2"},
             NOW,
+            {P[2]: "10.0.0.3:4001"},
         ),
         "chunk_have": m.ChunkHave(P[0], 3, b"\xf0\x01"),
         "chunk_request": m.ChunkRequest(3, [0, 5, 9, 999_999]),
@@ -115,7 +116,7 @@ GOLDEN = {
     "packed_result": ("8a6717c6eb653557385553b3e8aed5fbdbc50eb30bb0ebff7bb9da612e583726", 338),  # issue 20 item 3, captured at its introduction
     "task_decline": ("5f2c11c724ec344497483cdb66a48dd8a28a77306acc007983f805fa79cf470f", 154),
     "manifest": ("1d93345fecb116871a98ebad7d0aa6c6079fba7b0a5727c789be6a357785172a", 70909),
-    "broadcast_plan": ("5880f61f38a49ffcb1120c94e22f29c3f0730c3b408718e06f7f4bf4d2c7e76b", 785),
+    "broadcast_plan": ("fba853a5affba6e37242b20138bc85042507479d8fafad69de39e67a1335c72a", 866),  # punch_addrs (issue 18)
     "chunk_have": ("e80afdcd30b64c5a20f53c5c50951740158ca06488484a2249d2db21eddadf67", 81),
     "chunk_request": ("9f51b17b96b7de871b47a9e43aa0c2b0152fab3cc06a70914c560f2b1bcbf171", 27),
     "holds_version": ("1c8095e2089b696a28b86e2dd11014a52685e60c956dff36a3c5735178ab3665", 89),

@@ -181,6 +181,13 @@ class DataConnection:
         except OSError:
             return None
 
+    def remote_port(self) -> int | None:
+        """The port this connection comes from as seen here (a NAT's mapping, for hole punching)."""
+        try:
+            return int(self._sock.getpeername()[1])
+        except (OSError, IndexError, TypeError, ValueError):
+            return None
+
     @property
     def usable(self) -> bool:
         return self._broken is None and not self._closed

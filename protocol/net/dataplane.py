@@ -141,8 +141,12 @@ async def connect(
     upload_limit_MBps: float | None = None,
     upload_limiter: UploadLimiter | None = None,
     max_sizes: Mapping[FrameType, int] | None = None,
+    stream: trio.SocketStream | None = None,
 ) -> DataConnection:
     """Dial ``addr`` (``"host:port"``) and authenticate both ways.
+
+    ``stream``: a TCP connection to ``addr`` opened elsewhere (a punched hole, or one bound to our
+    listen port: :mod:`echo2.node.punch`); only the handshake runs here, as the dialer.
 
     Raises ``HandshakeRefused`` (a ``HandshakeError``) if the listener is not
     ``expected_peer_id``, fails to prove its key, or refuses us; ``Timeout`` if the TCP connect
@@ -150,13 +154,13 @@ async def connect(
     ``upload_limit_MBps`` caps this connection; ``upload_limiter`` is a shared (per-process) cap.
     """
     host, port = parse_addr(addr)
-    stream: trio.SocketStream | None = None
     try:
         with trio.fail_after(timeout_s):
-            try:
-                stream = await trio.open_tcp_stream(host, port)
-            except OSError as exc:
-                raise TransportError(f"cannot connect to {addr}: {exc}") from exc
+            if stream is None:
+                try:
+                    stream = await trio.open_tcp_stream(host, port)
+                except OSError as exc:
+                    raise TransportError(f"cannot connect to {addr}: {exc}") from exc
             peer_id, peer_key = await _handshake(
                 stream, identity, dialer=True, expected_peer_id=expected_peer_id, allow=None
             )
@@ -231,6 +235,7 @@ class DataPlaneServer:
         max_buffered_per_peer: int = 80 * 1024 * 1024,
         max_buffered_per_ip: int = 256 * 1024 * 1024,
         max_buffered_total: int = 512 * 1024 * 1024,
+        reuse_port: bool = False,
     ) -> None:
         self.identity = identity
         self.handler = handler
@@ -256,6 +261,9 @@ class DataPlaneServer:
         self.rx_peer = ByteBudget(max_buffered_per_peer, max_buffered_total)
         self.rx_ip = ByteBudget(max_buffered_per_ip, max_buffered_total)
         self._log = LogThrottle(log)
+        # SO_REUSEPORT on the listener, so that connections can leave from the listen port too
+        # (a NAT then maps that port, which hole punching needs: echo2.node.punch)
+        self.reuse_port = reuse_port
 
     @property
     def buffered_bytes(self) -> int:
@@ -271,11 +279,20 @@ class DataPlaneServer:
     async def serve(self, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
         """Listen and serve until cancelled; ``nursery.start(server.serve)`` returns once the
         port is bound (``server.port`` is then the real port)."""
-        self.listeners = list(await trio.open_tcp_listeners(self.port, host=self.host))
+        if self.reuse_port:
+            self.listeners = [await _reuse_port_listener(self.host, self.port)]
+        else:
+            self.listeners = list(await trio.open_tcp_listeners(self.port, host=self.host))
         self.port = self.listeners[0].socket.getsockname()[1]
         log.info("data plane of %s listening on %s", self.identity.peer_id, self.addr)
         task_status.started(self)
         await trio.serve_listeners(self._handle, self.listeners)
+
+    async def adopt(self, stream: trio.SocketStream) -> None:
+        """Serve a TCP connection made elsewhere (one end of a punched hole) as if it had been
+        accepted here: the same limits, the listener's side of the handshake (``allow`` and the
+        handler's gate apply), then the handler."""
+        await self._handle(stream)
 
     def _refuse(self, key: str, msg: str = "", *args: object) -> None:
         count_refusal(key, self.stats)
@@ -383,3 +400,17 @@ class DataPlaneServer:
             await conn.abort()
             raise
         await conn.aclose()
+
+
+async def _reuse_port_listener(host: str, port: int) -> trio.SocketListener:
+    family = trio.socket.AF_INET6 if ":" in host else trio.socket.AF_INET
+    sock = trio.socket.socket(family, trio.socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(trio.socket.SOL_SOCKET, trio.socket.SO_REUSEADDR, 1)
+        sock.setsockopt(trio.socket.SOL_SOCKET, trio.socket.SO_REUSEPORT, 1)
+        await sock.bind((host, port))
+        sock.listen(128)
+    except BaseException:
+        sock.close()
+        raise
+    return trio.SocketListener(sock)
