@@ -82,6 +82,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--netns", action="store_true",
                         help="real runs in network namespaces (root): hub and nodes each on a host whose upload the "
                              "kernel's tbf shapes at --link-MBps, no token bucket (bench/netns.py)")
+    parser.add_argument("--tbf-burst", dest="tbf_burst", default=None,
+                        help="with --netns: depth of each host's token bucket, in tc's units (default: "
+                             "bench/netns.py DEFAULT_BURST, 128kb; 32kb reproduces the earlier runs)")
     wan = parser.add_argument_group("wide area (--simulate only; bench/wan_sim.py)")
     wan.add_argument("--rates", type=_rates, default=None, metavar="LO:HI",
                      help="node uploads drawn log-uniform in LO..HI MB/s (e.g. 2:125); the hub at --hub-MBps or --link-MBps")
@@ -125,6 +128,21 @@ def _spawn_nodes(n: int, hub_addr: str, hub_peer: str, link_MBps: float, root: s
     return procs
 
 
+def _cpu_seconds(pids: list[int]) -> float:
+    """User + system CPU seconds of these processes (all their threads) so far, from /proc (Linux);
+    a process that is gone counts 0."""
+    tick = os.sysconf("SC_CLK_TCK")
+    total = 0.0
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        total += (int(fields[11]) + int(fields[12])) / tick  # utime, stime: fields 14 and 15 of stat(5)
+    return total
+
+
 def _stop_nodes(procs: list[Any], net: Any = None) -> None:
     import subprocess
 
@@ -158,7 +176,7 @@ async def _dial_back(sender: Any, timeout_s: float = 3.0) -> dict[str, bool]:
     out: dict[str, bool] = {}
 
     async def one(peer: str) -> None:
-        link, hello = sender.links.get(peer), sender.hello.get(peer)
+        link, hello = sender.driver.links.get(peer), sender.hello.get(peer)  # star and pipelined alike
         target = data_dial_target(hello.data_addr if hello else "", link.conn.remote_ip() if link else None)
         ok = False
         if target is not None:
@@ -234,11 +252,18 @@ async def _real_mode(mode: str, n: int, mbytes: float, link_MBps: float, hub_MBp
             # NATed nodes whose hub link came from their listen port unchanged (their NAT keeps it)
             punchable = sum(1 for p, v in reachable.items() if not v and sender.punch_addr_of(p)) if punch else 0
             await publisher.publish(1, state)
+            # CPU of the broadcast only (packing is the publisher's, before): every node process
+            # (``ip netns exec`` execs the node in place, so the pid is the node's) and this hub.
+            pids = [p.pid for p in procs] + [os.getpid()]
+            cpu0, hub_cpu0 = _cpu_seconds(pids), _cpu_seconds([os.getpid()])
             sender.notify()
             limit = 20 * mbytes / min(link_MBps, hub_MBps) * max(1.0, n / 4) + 60
             with trio.fail_after(limit):
                 while sender.holders(1) < n:
                     await sender.changed.wait()
+            cpu_s = _cpu_seconds(pids) - cpu0
+            hub_cpu_s = _cpu_seconds([os.getpid()]) - hub_cpu0
+            load1 = os.getloadavg()[0]
             await trio.sleep(1.0)  # late stats reports
             m = sender.version_metrics(1)
             peer_sent = dict(sender.metrics[1].peer_sent) if 1 in sender.metrics else {}
@@ -264,8 +289,16 @@ async def _real_mode(mode: str, n: int, mbytes: float, link_MBps: float, hub_MBp
         "chunk_bytes": chunk,
         "simulated": False,
         "netns": net is not None,
+        "tbf_burst": net.burst if net is not None else None,
         "nat_nodes": sum(1 for v in reachable.values() if not v),
         "nat_sent_bytes": sum(int(peer_sent.get(p, 0)) for p, v in reachable.items() if not v),
+        # CPU of the node processes and the hub from publication until the last node held the
+        # version, per GB (10**9 bytes) of chunk bytes relayed (sent by the hub and by peers).
+        # Kernel work outside these processes (softirqs, tbf) is not in it.
+        "cpu_seconds": cpu_s,
+        "hub_cpu_seconds": hub_cpu_s,
+        "cpu_s_per_GB": cpu_s / (max(1, hub_sent + int(m["peer_sent_bytes"])) / 1e9),
+        "loadavg_1m": load1,
         # hole punching (--punch): NAT<->NAT pairs planned, punched, and fallen back to other parents
         "punch": punch,
         "punchable_nodes": punchable,
@@ -298,8 +331,9 @@ def run_real(args: argparse.Namespace) -> list[dict[str, object]]:
 
                     # a fresh LAN per row: host 0 is the hub, hosts 1..n the nodes
                     homes = frozenset(range(n + 1 - args.nat, n + 1))  # the last --nat nodes
-                    with Net(n + 1, args.link_MBps, nat=homes, isolate_homes=getattr(args, "isolate_homes", False)) as net, \
-                            net.inside(0):
+                    burst = {"burst": args.tbf_burst} if getattr(args, "tbf_burst", None) else {}
+                    with Net(n + 1, args.link_MBps, nat=homes, isolate_homes=getattr(args, "isolate_homes", False),
+                             **burst) as net, net.inside(0):
                         row = trio.run(_real_mode, mode, n, args.mbytes, args.link_MBps, hub_MBps, chunk, root,
                                        180.0, net, bool(getattr(args, "punch", False)))
                 else:
@@ -396,6 +430,9 @@ def run(args: argparse.Namespace) -> int:
         print(f"{r['mode']:<10} {r['nodes']:>6} {r['seconds']:>10.2f} {r['median_seconds']:>10.2f} "
               f"{r['ideal_seconds']:>8.2f} {r['ratio']:>7.3f} {int(r['hub_sent_bytes']) / 1e6:>9.1f} "  # type: ignore[call-overload]
               f"{int(r['peer_sent_bytes']) / 1e6:>10.1f}")  # type: ignore[call-overload]
+        if "cpu_s_per_GB" in r:
+            print(f"{'':<10} first {r['first_seconds']:.2f}s; CPU {r['cpu_seconds']:.2f}s (hub {r['hub_cpu_seconds']:.2f}s) = "
+                  f"{r['cpu_s_per_GB']:.1f} CPU-s per GB relayed; load average {r['loadavg_1m']:.1f}")
         if "ratio_fluid" in r:
             print(f"{'':<10} fluid bound {r['fluid_seconds']:.2f}s, ratio to it {r['ratio_fluid']:.3f}; "
                   f"{r['nat_nodes']} NATed uploaded {int(r['nat_sent_bytes']) / 1e6:.1f} MB; "  # type: ignore[call-overload]

@@ -86,11 +86,12 @@ class ChunkStore:
         """Whether a chunk with this raw hash is stored (its bytes are re-checked on read)."""
         return self._chunk_path(raw_hash).is_file()
 
-    def put(self, raw_hash: bytes, raw: bytes | bytearray | memoryview) -> bool:
+    def put(self, raw_hash: bytes, raw: bytes | bytearray | memoryview, *, _verified: bool = False) -> bool:
         """Store a raw chunk after checking that it hashes to ``raw_hash`` (ChunkMismatch if not).
-        Returns False if it was already stored (never written twice)."""
+        Returns False if it was already stored (never written twice). ``_verified``: the caller
+        (:meth:`decode_and_put`) has just checked the hash itself."""
         path = self._chunk_path(raw_hash)
-        if digest(raw) != raw_hash:
+        if not _verified and digest(raw) != raw_hash:
             raise ChunkMismatch(f"chunk does not hash to {raw_hash.hex()[:16]}; not stored")
         if path.is_file():
             return False
@@ -233,7 +234,7 @@ class ChunkStore:
             return ENC_MANIFEST, enc
         return ENC_FULL, packing.encode_chunk(raw, None, bf16_split=m.bf16_split)
 
-    def decode_and_put(self, m: Manifest, i: int, flag: int, data: bytes) -> str:
+    def decode_and_put(self, m: Manifest, i: int, flag: int, data: bytes | bytearray | memoryview) -> str:
         """Decode chunk ``i`` of ``m`` as received (``flag``: the manifest's encoding or full),
         check its raw hash and store it: ``"stored"``, or ``"need_full"`` for a delta whose
         parent chunk is not here. ChunkMismatch/ManifestError if it does not decode to the
@@ -251,5 +252,6 @@ class ChunkStore:
                 if parent_raw is None:
                     return "need_full"
             raw = packing.decode_chunk(entry, data, parent_raw, bf16_split=m.bf16_split)
-        self.put(entry.raw_hash, raw)
+        # both decoders check the raw hash against the manifest before they return
+        self.put(entry.raw_hash, raw, _verified=True)
         return "stored"

@@ -109,7 +109,12 @@ class _StoreSource:
     def __init__(self, node: RelayNode) -> None:
         self.node = node
 
-    async def encoded(self, version: int, index: int) -> tuple[int, bytes]:
+    def ready(self, version: int, index: int) -> tuple[bytearray, bytes] | None:
+        b = self.node.bc  # the frame as received, unless this node is set to corrupt what it sends
+        ok = b is not None and b.version == version and not self.node.cfg.corrupt_sends
+        return b.frames.get(index) if ok and b is not None else None
+
+    async def encoded(self, version: int, index: int) -> tuple[int, bytes | memoryview]:
         node = self.node
         b = node.bc
         if b is None or b.version != version:
@@ -160,9 +165,10 @@ class RelayNode:
         self.limiter = UploadLimiter(self.cfg.upload_MBps) if self.cfg.upload_MBps > 0 else None
         self.server = DataPlaneServer(identity, self._serve, host=host, port=port, upload_limiter=self.limiter,
                                       reuse_port=self.cfg.punch)
+        source = _StoreSource(self)
         self.driver = RelayDriver(
-            _StoreSource(self), on_unlinked=self._on_unlinked, on_request=self._on_pull,
-            on_report=self._on_report, on_sent=self._on_sent,
+            source, on_unlinked=self._on_unlinked, on_request=self._on_pull,
+            on_report=self._on_report, on_sent=self._on_sent, ready_frame=source.ready,
         )
         self._dialing: dict[str, trio.Event] = {}
         self._punching: set[str] = set()
@@ -172,9 +178,7 @@ class RelayNode:
         self.bc: Broadcast | None = None
         self.held: HeldInfo | None = None
         self.evidence: deque[tuple[int, Evidence]] = deque(maxlen=MAX_EVIDENCE)
-        self._store_tx, self._store_rx = trio.open_memory_channel[tuple[int, int, int, bytes, str]](
-            STORE_QUEUE
-        )
+        self._store_tx, self._store_rx = trio.open_memory_channel[tuple[int, int, int, memoryview, str]](STORE_QUEUE)
         self._nursery: trio.Nursery | None = None
         self.holds_event = trio.Event()
         self.bytes_in = self.bytes_out = 0  # chunk bytes received and sent, all versions
@@ -321,7 +325,7 @@ class RelayNode:
 
     async def _on_frame(self, link: RelayLink, frame: Frame) -> None:
         if frame.type is FrameType.CHUNK:
-            await self._on_chunk(link.peer, frame.payload)
+            await self._on_chunk(link.peer, frame.payload, frame.key)
         elif frame.type is FrameType.REQUEST:
             self._on_request(link, frame.payload)
         elif frame.type is FrameType.MESSAGE and link.peer == self.hub_peer:
@@ -423,7 +427,8 @@ class RelayNode:
                 if peer not in self.links and peer not in self._punching:
                     self._spawn(self._punch, b.version, edge)
 
-    async def _on_chunk(self, peer: str, payload: bytes | bytearray) -> None:
+    async def _on_chunk(self, peer: str, payload: bytes | bytearray, key: bytes | None = None) -> None:
+        # key: the frame's blake3 (checked on receipt): forwarded as it came, no copy or hash per child
         cf = unpack_chunk_frame(payload)
         self.bytes_in += len(payload)
         b = self.bc
@@ -447,15 +452,17 @@ class RelayNode:
             except ChunkMismatch:
                 self._act(b, b.relay.on_chunk_corrupt(i, peer, digest(cf.data), now=now))
                 return
-            data = bytes(cf.data)
+            data = cf.data
             b.encoded[i] = data
+            if key is not None and isinstance(payload, bytearray):  # cf.data is a view into it
+                b.frames[i] = (payload, key)
             self._act(b, b.relay.on_chunk_verified(i, now=now))  # forward before decoding: cut-through
             await self._store_tx.send((b.version, i, ENC_MANIFEST, data, peer))
         else:
             if (i in b.relay.have and i not in b.need_full) or i in b.full_queued:
                 return  # one full encoding of a chunk at a time waits to be decoded
             b.full_queued.add(i)
-            await self._store_tx.send((b.version, i, ENC_FULL, bytes(cf.data), peer))
+            await self._store_tx.send((b.version, i, ENC_FULL, cf.data, peer))
 
     def _on_request(self, link: RelayLink, payload: bytearray) -> None:
         kind, d = decode_request(payload)
@@ -581,7 +588,7 @@ class RelayNode:
         b = self.bc
         if b is None:
             return
-        b.have_sent = len(b.relay.have)
+        b.have_sent, b.have_at = len(b.relay.have), trio.current_time()
         for link in list(self.links.values()):
             self._spawn(self._send_have, link)
 
@@ -595,7 +602,7 @@ class RelayNode:
             now = trio.current_time()
             if len(b.relay.have) < len(b.manifest.chunks):
                 self._act(b, b.relay.on_tick(now))
-            if len(b.relay.have) != b.have_sent:
+            if len(b.relay.have) != b.have_sent and (now - b.have_at >= self.cfg.have_interval_s or b.relay.complete_sent):
                 await self._send_have_all()
             if b.need_full and now - b.full_asked_at > self.cfg.request_timeout_s:
                 b.full_asked_at = now

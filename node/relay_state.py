@@ -20,6 +20,10 @@ class RelayConfig:
     stall_timeout_s: float = 3.0
     request_timeout_s: float = 6.0
     window: int = 2  # chunks in flight per child
+    # ChunkHave rounds (to every link) at most this often while chunks arrive (and at once when the
+    # version is complete): 10 a second per link were a fifth of a relay's CPU at N = 8, and pulls
+    # wait seconds (stall_timeout_s) before they use them
+    have_interval_s: float = 0.5
     tick_s: float = 0.1
     connect_timeout_s: float = 5.0
     keep_versions: int = 3
@@ -147,12 +151,15 @@ class Broadcast:
     plan: WirePlan
     relay: Relay
     t0: float
-    encoded: dict[int, bytes] = field(default_factory=dict)
+    encoded: dict[int, bytes | memoryview] = field(default_factory=dict)
+    # the CHUNK frames (payload, key) these encodings came in, verified: forwarded as they are
+    frames: dict[int, tuple[bytearray, bytes]] = field(default_factory=dict)
     need_full: set[int] = field(default_factory=set)
     full_queued: set[int] = field(default_factory=set)  # full encodings waiting to be decoded
     full_asked_at: float = -math.inf
     done: bool = False
     have_sent: int = -1
+    have_at: float = -math.inf  # trio clock of the last ChunkHave round
     bytes_sent: int = 0
     bytes_received: int = 0
     stats_sent: int = -1

@@ -7,6 +7,7 @@ enough that libp2p uses the identity multihash, which is why such IDs start with
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import base58
@@ -34,8 +35,13 @@ def peer_id_from_public_key(raw_public: bytes) -> str:
     return base58.b58encode(_MULTIHASH_IDENTITY + libp2p_public_key_bytes(raw_public)).decode()
 
 
+@functools.lru_cache(maxsize=4096)
 def public_key_from_peer_id(peer_id: str) -> bytes:
-    """Recover the raw Ed25519 public key embedded in an identity-multihash peer ID."""
+    """Recover the raw Ed25519 public key embedded in an identity-multihash peer ID.
+
+    Cached (pure; failures are not cached): every ChunkHave a relay receives names its sender,
+    ~10 a second per link during a broadcast, and the base58 decode cost 0.3 ms each (cProfile
+    of 8 relays: 1464 calls, 0.47 s)."""
     try:
         raw = base58.b58decode(peer_id.encode())
     except Exception as exc:  # base58 raises ValueError on bad alphabet

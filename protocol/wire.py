@@ -48,6 +48,10 @@ class ChunkFrame:
     data: memoryview
 
 
+#: Bytes before the chunk's data in a CHUNK frame payload (version, index, encoding flag).
+CHUNK_HEADER_SIZE = _CHUNK_HEADER.size
+
+
 def pack_chunk_frame(version: int, index: int, encoding: int, data: bytes) -> bytes:
     return _CHUNK_HEADER.pack(version, index, encoding) + data
 

@@ -7,6 +7,7 @@ level with the module's own wire constants.
 from __future__ import annotations
 
 import os
+import socket
 import struct
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -588,6 +589,52 @@ def test_large_bodies_verified_with_and_without_free_workers(
 
     run(main)
     assert outcome["good"] is True
+    assert rxthread._active == 0
+
+
+def test_chunk_trickling_in_wakes_the_worker_rarely_and_the_next_small_frame_promptly(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # A 512 KiB chunk (the rule's size for 32 MB on 8 nodes) is received on a worker that asks
+    # the kernel to wake it only once RCVLOWAT_BYTES have landed (rxthread.py). The mark must be
+    # back at 1 when the body is in: a small frame that follows (fewer bytes than the mark) would
+    # otherwise never wake the trio side, and the connection would hang.
+    started: list[int] = []
+
+    class Counting(rxthread.ThreadedReceive):
+        def start(self) -> None:
+            started.append(len(self._view))
+            super().start()
+
+    monkeypatch.setattr(dpconn, "ThreadedReceive", Counting)
+    server_id, client_id = Identity.generate(), Identity.generate()
+    data = os.urandom(512 * 1024)
+    outcome: dict[str, Any] = {}
+
+    async def handler(conn: DataConnection) -> None:
+        frame = await conn.receive(timeout_s=5)
+        outcome["chunk"] = frame.payload == data and frame.key == chunk_key(data)
+        outcome["lowat"] = conn._sock.getsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT)
+        t0 = time.monotonic()
+        small = await conn.receive(timeout_s=2)
+        outcome["small"] = (small.type, bytes(small.payload), time.monotonic() - t0)
+
+    async def main() -> None:
+        async with serving(DataPlaneServer(server_id, handler)) as server:
+            conn = await connect(server.addr, client_id, server_id.peer_id, timeout_s=5)
+            await conn._stream.send_all(HEADER.pack(FrameType.CHUNK, chunk_key(data), len(data)))
+            for pos in range(0, len(data), 64 * 1024):  # trickles in, as over a shaped link
+                await conn._stream.send_all(data[pos : pos + 64 * 1024])
+                await trio.sleep(0.01)
+            await conn.send_request(b"after")
+            assert (await conn.receive()).type is FrameType.BYE
+            await conn.aclose()
+
+    run(main)
+    assert started == [len(data)]  # on a worker, not in the trio thread
+    assert outcome["chunk"] is True
+    assert outcome["lowat"] == 1
+    assert outcome["small"][:2] == (FrameType.REQUEST, b"after")
     assert rxthread._active == 0
 
 

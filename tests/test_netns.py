@@ -97,3 +97,5 @@ def test_bench_broadcast_over_kernel_links(tmp_path: Path) -> None:
     # bucket, limited it: no faster than the link allows
     assert row["seconds"] >= 0.9 * row["ideal_seconds"]
     assert row["peer_sent_bytes"] > 0  # nodes relayed to each other over the bridge
+    # the CPU the broadcast took (nodes and hub, from /proc) per GB relayed: measured, and sane
+    assert 0 < row["hub_cpu_seconds"] <= row["cpu_seconds"] and 0 < row["cpu_s_per_GB"] < 1000

@@ -131,6 +131,40 @@ def test_small_broadcast_and_delta_version(tmp_path: Path) -> None:
     trio.run(main)
 
 
+def test_relays_forward_the_frames_they_received_without_repacking(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # A relay sends on the CHUNK frame it received and verified, as it is (no copy of the chunk,
+    # no blake3 per child): its chunk source is asked for nothing while it holds the frames.
+    from echo2.node import relay_runtime
+
+    asked: list[tuple[int, int]] = []
+    packed_source = relay_runtime._StoreSource.encoded
+
+    async def counting(self: Any, version: int, index: int) -> Any:
+        asked.append((version, index))
+        return await packed_source(self, version, index)
+
+    monkeypatch.setattr(relay_runtime._StoreSource, "encoded", counting)
+    sd = _state(2_000_000, 3)
+
+    async def main() -> None:
+        with trio.fail_after(60):
+            sw = Swarm(tmp_path, 4, chunk=128 * 1024, up_MBps=8.0)
+            async with trio.open_nursery() as nursery:
+                await sw.start(nursery)
+                await sw.publish(1, sd)
+                await sw.wait_holds(1, sw.nodes)
+                for nd in sw.nodes:
+                    _check_loaded(nd, sd)
+                sent = [nd.bytes_out for nd in sw.nodes]
+                assert sum(sent) > 2_000_000  # the nodes relayed (more than one copy between them)
+                for nd in sw.nodes:  # chunk bytes counted as before: the data, not the frame header
+                    assert nd.bc is not None and nd.bc.bytes_sent == nd.bytes_out
+                nursery.cancel_scope.cancel()
+
+    trio.run(main)
+    assert asked == []
+
+
 @pytest.mark.slow
 def test_killed_relay_and_corrupting_relay_are_routed_around(tmp_path: Path) -> None:
     sd = _state(4_000_000, 7)

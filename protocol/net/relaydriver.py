@@ -25,7 +25,7 @@ from echo2.protocol.dataframe import Frame, FrameType
 from echo2.protocol.errors import ChunkMismatch, Echo2Error, SchemaError
 from echo2.protocol.messages import ChunkHave, ChunkRequest
 from echo2.protocol.relay import Action, Complete, Evidence, Relay, Report, Request, Send
-from echo2.protocol.wire import ENC_FULL, pack_chunk_frame
+from echo2.protocol.wire import CHUNK_HEADER_SIZE, ENC_FULL, pack_chunk_frame
 
 from .connection import DataConnection, duplex
 
@@ -101,6 +101,10 @@ class RelayLink:
         return item
 
 
+#: ``(version, index)`` -> a CHUNK frame ready to send as it is: ``(payload, key)``, the payload
+#: exactly as :func:`pack_chunk_frame` makes it for the chunk's manifest encoding and ``key`` its
+#: blake3 (a relay's copy of the frame it received and verified), or None to pack it afresh.
+ReadyFrame = Callable[[int, int], "tuple[bytes | bytearray, bytes] | None"]
 OnSent = Callable[[int, int], None]  # (version, bytes) after a chunk frame was written
 OnUnlinked = Callable[[str, int, int], None]  # (peer, version, index): a Send to a peer without a link
 OnRequest = Callable[[int, Request], None]
@@ -114,7 +118,9 @@ class RelayDriver:
     ``start(version, relay)`` makes a version current (``relay`` may be None: the star sender has
     no relay rules, only pulls to answer). Hooks: ``on_unlinked`` for a Send to a peer with no
     link (default: the send failed), ``on_request`` for the relay's pulls, ``on_report`` for its
-    evidence of a corrupt chunk, ``on_sent`` after each chunk frame.
+    evidence of a corrupt chunk, ``on_sent`` after each chunk frame; ``ready_frame`` for chunk
+    frames that need neither packing nor hashing (a relay forwards the frame it received: no
+    copy of the chunk and no blake3 pass per child).
     """
 
     def __init__(
@@ -126,8 +132,10 @@ class RelayDriver:
         on_report: OnReport | None = None,
         on_sent: OnSent | None = None,
         max_queue: int = DEFAULT_MAX_QUEUE,
+        ready_frame: ReadyFrame | None = None,
     ) -> None:
         self.source = source
+        self.ready_frame = ready_frame
         self.on_unlinked = on_unlinked
         self.on_request = on_request
         self.on_report = on_report
@@ -233,11 +241,17 @@ class RelayDriver:
             link.inflight.add((ver, i))
             link.sending_since = trio.current_time()
             try:
-                if kind == "full":
-                    flag, data = ENC_FULL, await self.source.full(ver, i)
+                ready = self.ready_frame(ver, i) if kind == "chunk" and self.ready_frame is not None else None
+                if ready is not None:
+                    await conn.send_chunk(ready[0], key=ready[1])
+                    n_data = len(ready[0]) - CHUNK_HEADER_SIZE
                 else:
-                    flag, data = await self.source.encoded(ver, i)
-                await conn.send_chunk(pack_chunk_frame(ver, i, flag, data))
+                    if kind == "full":
+                        flag, data = ENC_FULL, await self.source.full(ver, i)
+                    else:
+                        flag, data = await self.source.encoded(ver, i)
+                    await conn.send_chunk(pack_chunk_frame(ver, i, flag, data))
+                    n_data = len(data)
             except (Echo2Error, KeyError) as exc:
                 log.info("sending chunk %d to %s failed: %s", i, link.peer, exc)
                 link.inflight.discard((ver, i))
@@ -249,9 +263,9 @@ class RelayDriver:
             finally:
                 link.sending_since = None
             link.inflight.discard((ver, i))
-            self.bytes_sent += len(data)
+            self.bytes_sent += n_data
             if self.on_sent is not None:
-                self.on_sent(ver, len(data))
+                self.on_sent(ver, n_data)
             if kind == "chunk" and self.relay is relay and relay is not None:
                 self.act(relay.on_child_ack(link.peer, i, now=trio.current_time()))
 
