@@ -79,6 +79,7 @@ from echo2.protocol.wire import (
 from . import punch
 from .chunkstore import ChunkStore
 from .relay_guard import PeerGate
+from .relay_source import StoreSource
 from .relay_state import (
     Broadcast,
     HeldInfo,
@@ -100,38 +101,6 @@ MAX_EVIDENCE = 1024  # evidence kept for inspection (each report goes to on_evid
 
 OnHolds = Callable[[HeldInfo], Awaitable[None] | None]
 OnEvidence = Callable[[int, Evidence], Awaitable[None] | None]
-
-
-class _StoreSource:
-    """The node's :class:`~echo2.protocol.net.relaydriver.ChunkSource`: the encoded bytes kept
-    since they were verified, else re-encoded from the chunk store in a worker thread."""
-
-    def __init__(self, node: RelayNode) -> None:
-        self.node = node
-
-    def ready(self, version: int, index: int) -> tuple[bytearray, bytes] | None:
-        b = self.node.bc  # the frame as received, unless this node is set to corrupt what it sends
-        ok = b is not None and b.version == version and not self.node.cfg.corrupt_sends
-        return b.frames.get(index) if ok and b is not None else None
-
-    async def encoded(self, version: int, index: int) -> tuple[int, bytes | memoryview]:
-        node = self.node
-        b = node.bc
-        if b is None or b.version != version:
-            raise KeyError(version)
-        cached = b.encoded.get(index)
-        if cached is not None:
-            flag, data = ENC_MANIFEST, cached
-        else:
-            flag, data = await trio.to_thread.run_sync(node.store.encoded_for, b.manifest, index)
-        if node.cfg.corrupt_sends:
-            bad = bytearray(data)
-            bad[len(bad) // 2] ^= 0xFF
-            data = bytes(bad)
-        return flag, data
-
-    async def full(self, version: int, index: int) -> bytes:
-        raise KeyError("a node serves no full encodings")
 
 
 class RelayNode:
@@ -165,7 +134,7 @@ class RelayNode:
         self.limiter = UploadLimiter(self.cfg.upload_MBps) if self.cfg.upload_MBps > 0 else None
         self.server = DataPlaneServer(identity, self._serve, host=host, port=port, upload_limiter=self.limiter,
                                       reuse_port=self.cfg.punch)
-        source = _StoreSource(self)
+        source = StoreSource(self)
         self.driver = RelayDriver(
             source, on_unlinked=self._on_unlinked, on_request=self._on_pull,
             on_report=self._on_report, on_sent=self._on_sent, ready_frame=source.ready,
