@@ -134,16 +134,16 @@ def test_small_broadcast_and_delta_version(tmp_path: Path) -> None:
 def test_relays_forward_the_frames_they_received_without_repacking(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     # A relay sends on the CHUNK frame it received and verified, as it is (no copy of the chunk,
     # no blake3 per child): its chunk source is asked for nothing while it holds the frames.
-    from echo2.node import relay_runtime
+    from echo2.node import relay_source
 
     asked: list[tuple[int, int]] = []
-    packed_source = relay_runtime._StoreSource.encoded
+    packed_source = relay_source.StoreSource.encoded
 
     async def counting(self: Any, version: int, index: int) -> Any:
         asked.append((version, index))
         return await packed_source(self, version, index)
 
-    monkeypatch.setattr(relay_runtime._StoreSource, "encoded", counting)
+    monkeypatch.setattr(relay_source.StoreSource, "encoded", counting)
     sd = _state(2_000_000, 3)
 
     async def main() -> None:
