@@ -57,6 +57,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--holds", type=int, default=50, help="HoldsVersion messages measured per fleet size")
     parser.add_argument("--status", type=int, default=5, help="status writes measured per fleet size")
     parser.add_argument("--json", default=None, help="write results to this file")
+    parser.add_argument("--clients", type=int, default=0,
+                        help="a live hub driven by this many client processes (bench/intake_live.py); 0: in-process")
+    parser.add_argument("--batch", type=int, default=1, help="live mode: results per message (a ResultBatch when > 1)")
+    parser.add_argument("--duration", type=float, default=20.0, help="live mode: seconds of the results phase")
+    parser.add_argument("--idle", type=float, default=5.0, help="live mode: seconds of the idle phase (hub CPU at rest)")
     parser.add_argument("--big-result-MB", type=float, default=0.0, dest="big_result_mb",
                         help="instead: one result of this size, list form vs packed form (bench/intake_big.py)")
 
@@ -322,6 +327,10 @@ def run(args: argparse.Namespace) -> int:
         if args.json:
             Path(args.json).write_text(json.dumps(big, indent=2))
         return 0
+    if getattr(args, "clients", 0) > 0:
+        from .intake_live import run_live
+
+        return run_live(args)
     sizes = [int(x) for x in str(args.nodes).split(",") if x.strip()]
     rows = []
     for n in sizes:

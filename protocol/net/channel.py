@@ -106,36 +106,45 @@ class ChannelServer:
         return encode_error(code, detail)
 
     async def _serve(self, conn: DataConnection) -> None:
+        failed: list[Echo2Error] = []
+        async with trio.open_nursery() as nursery:
+            try:
+                await self._read_requests(conn, nursery)
+            except Echo2Error as exc:  # raised bare, outside the nursery: the server counts it by code
+                failed.append(exc)
+            nursery.cancel_scope.cancel()  # the node said BYE or is gone: what it still waits for is moot
+        if failed:
+            raise failed[0]
+
+    async def _read_requests(self, conn: DataConnection, nursery: trio.Nursery) -> None:
         peer = conn.peer_id
         inflight = [0]
-        async with trio.open_nursery() as nursery:
-            async for frame in conn:  # ends at the peer's BYE; a dead peer raises (connection aborted)
-                key = unpack_key(frame.key)  # not one of ours: the connection is dropped
-                if key.kind != KIND_REQUEST or frame.type is not key.op.frame:
-                    raise DecodeError(f"channel: a {frame.type.name} frame where a request was expected")
-                op, body = key.op, frame.payload
-                handler = self.handlers.get(op.protocol_id)
-                reply: bytes | None = None
-                charge = Charge([(self._held, peer)])
-                if handler is None:
-                    reply = self._refuse("unsupported", peer, f"{op.protocol_id} is not served on the channel")
-                elif len(body) > op.max_request:
-                    reply = self._refuse("too_large", peer, f"request of {len(body)} bytes exceeds {op.max_request}")
-                elif not self._rates[op.protocol_id].allow(peer, trio.current_time()):
-                    reply = self._refuse("rate_limited", peer, f"more than {self._rates[op.protocol_id].rate_per_s:g} "
-                                         f"requests/s on {op.protocol_id}")
-                elif inflight[0] >= self.max_inflight:
-                    reply = self._refuse("too_many_streams", peer, f"more than {self.max_inflight} requests at once")
-                elif not charge.take(len(body)):
-                    charge.release()
-                    reply = self._refuse("busy", peer, "too many request bytes in flight from this peer; retry later")
-                if reply is not None:
-                    await self._reply(conn, op.code, key.rid, reply)
-                    continue
-                assert handler is not None
-                inflight[0] += 1
-                nursery.start_soon(self._answer, conn, handler, key.op.code, key.rid, bytes(body), charge, inflight)
-            nursery.cancel_scope.cancel()  # the node said BYE: what it still waits for is moot
+        async for frame in conn:  # ends at the peer's BYE; a dead peer raises (connection aborted)
+            key = unpack_key(frame.key)  # not one of ours: the connection is dropped
+            if key.kind != KIND_REQUEST or frame.type is not key.op.frame:
+                raise DecodeError(f"channel: a {frame.type.name} frame where a request was expected")
+            op, body = key.op, frame.payload
+            handler = self.handlers.get(op.protocol_id)
+            reply: bytes | None = None
+            charge = Charge([(self._held, peer)])
+            if handler is None:
+                reply = self._refuse("unsupported", peer, f"{op.protocol_id} is not served on the channel")
+            elif len(body) > op.max_request:
+                reply = self._refuse("too_large", peer, f"request of {len(body)} bytes exceeds {op.max_request}")
+            elif not self._rates[op.protocol_id].allow(peer, trio.current_time()):
+                reply = self._refuse("rate_limited", peer, f"more than {self._rates[op.protocol_id].rate_per_s:g} "
+                                     f"requests/s on {op.protocol_id}")
+            elif inflight[0] >= self.max_inflight:
+                reply = self._refuse("too_many_streams", peer, f"more than {self.max_inflight} requests at once")
+            elif not charge.take(len(body)):
+                charge.release()
+                reply = self._refuse("busy", peer, "too many request bytes in flight from this peer; retry later")
+            if reply is not None:
+                await self._reply(conn, op.code, key.rid, reply)
+                continue
+            assert handler is not None
+            inflight[0] += 1
+            nursery.start_soon(self._answer, conn, handler, key.op.code, key.rid, bytes(body), charge, inflight)
 
     async def _answer(self, conn: DataConnection, handler: Handler, op: int, rid: int, body: bytes, charge: Charge,
                       inflight: list[int]) -> None:
@@ -228,11 +237,16 @@ class ChannelClient:
         self._waiting[rid] = waiter
         try:
             with trio.fail_after(timeout_s):
-                try:
-                    await self.conn.send_keyed(op.frame, pack_key(KIND_REQUEST, op.code, rid), payload)
-                except TransportError as exc:
-                    self._down(f"channel lost: {exc}")
-                    raise
+                # A frame cut by cancellation would leave the connection out of step for every
+                # other request on it: the send is shielded (bounded by the request's own time),
+                # cancellation is honoured while the reply is awaited.
+                with trio.CancelScope(shield=True), trio.move_on_after(timeout_s):
+                    try:
+                        await self.conn.send_keyed(op.frame, pack_key(KIND_REQUEST, op.code, rid), payload)
+                    except TransportError as exc:
+                        self._down(f"channel lost: {exc}")
+                        raise
+                await trio.lowlevel.checkpoint_if_cancelled()
                 await waiter.done.wait()
         except trio.TooSlowError as exc:
             raise Timeout(f"{protocol_id} on the channel timed out after {timeout_s:g} s") from exc
