@@ -102,7 +102,7 @@ def _hub_proc(n: int, batch: int, workdir: str, cmd: Any, out: Any) -> None:
     from echo2.learner_hub.hub import Hub
 
     logging.getLogger("echo2").setLevel(logging.ERROR)
-    cfg = HubConfig(dir=workdir, steps=10**6, prompts_per_step=max(n, 1000), group_size=SMALL_COMPLETIONS, max_new_tokens=SMALL_TOKENS,
+    cfg = HubConfig(dir=workdir, steps=10**6, prompts_per_step=max(n, 256), group_size=SMALL_COMPLETIONS, max_new_tokens=SMALL_TOKENS,
                     staleness=1, task_deadline_s=3600.0, node_silence_s=3600.0)
     hub = Hub(cfg)
     cap = max(2, batch)
@@ -223,6 +223,7 @@ async def _client_main(role: str, info: dict[str, Any], seeds: list[int], batch:
     rng = random.Random(seeds[0] if seeds else 0)
     plain: list[int] = info["plain"]
     c: Counter[str] = Counter()
+    first_error: dict[str, str] = {}
     lps = pack_logprobs([-0.5] * SMALL_TOKENS)
 
     def result_for(node: Identity, task: Task) -> bytes:
@@ -300,7 +301,9 @@ async def _client_main(role: str, info: dict[str, Any], seeds: list[int], batch:
                     inner.cancel_scope.cancel()
             except* Echo2Error as group:
                 for exc in group.exceptions:
-                    c["errors:" + getattr(exc, "code", "error")] += 1
+                    code = getattr(exc, "code", "error")
+                    c["errors:" + code] += 1
+                    first_error.setdefault(code, str(exc)[:300])
             finally:
                 nursery.cancel_scope.cancel()
         await ch.aclose()
@@ -329,7 +332,7 @@ async def _client_main(role: str, info: dict[str, Any], seeds: list[int], batch:
                     nursery.start_soon(poller, node, ch)
     if bound.cancelled_caught:
         c["errors:phase_timeout"] += 1
-    return dict(c) | {"wall_s": trio.current_time() - t0}
+    return dict(c) | {"wall_s": trio.current_time() - t0, "first_error": first_error}
 
 
 # --- the orchestration ---------------------------------------------------------------------------
@@ -345,10 +348,14 @@ def _phase(ctx: Any, hub_pid: int, role: str, info: dict[str, Any], parts: list[
     c0, t0 = _tree_cpu_s(hub_pid), time.perf_counter()
     go.set()
     counts: Counter[str] = Counter()
+    first_error: dict[str, str] = {}
     for _ in procs:
         got = q.get(timeout=duration_s + 300)
         got.pop("wall_s", None)
+        first_error.update(got.pop("first_error", {}))
         counts.update(got)
+    if first_error:
+        counts["first_error"] = first_error  # type: ignore[assignment]
     for p in procs:
         p.join(30)
     return dict(counts), _tree_cpu_s(hub_pid) - c0, time.perf_counter() - t0
@@ -398,6 +405,7 @@ def run_size(n: int, clients: int, batch: int, duration_s: float, idle_s: float)
             "hub_cpu_ms_per_result_net": round((cpu_r - idle_rate * wall_r) * 1e3 / acc, 3) if acc else None,
             "refused": {k[8:]: v for k, v in counts.items() if k.startswith("refused:")},
             "errors": {k[7:]: v for k, v in counts.items() if k.startswith("errors:")},
+            "first_error": counts.get("first_error", {}),
             "loop_lag_p99_ms": lag_r["loop_lag_p99_ms"], "loop_lag_max_ms": lag_r["loop_lag_max_ms"],
             "hub_refused_by_reason": lag_r["refused"], "channel_refusals": lag_r["channel_refusals"],
         },
@@ -432,7 +440,7 @@ def run_live(args: argparse.Namespace) -> int:
                             "the channel address handed to the clients (CHANNEL on the control plane is what a node does)",
                             "the channel's per-IP handshake rate off (all clients dial from 127.0.0.1)",
                             "the learner is a stand-in taking buffered rows every 0.5 s",
-                            "prompts_per_step = max(N, 1000), so a small fleet's workers are not short of tasks"],
+                            "prompts_per_step = max(N, 256), so a small fleet's workers are not short of tasks"],
         "small_result": {"completions": SMALL_COMPLETIONS, "tokens_each": SMALL_TOKENS},
         "rows": rows,
     }
