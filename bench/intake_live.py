@@ -279,6 +279,8 @@ async def _client_main(role: str, info: dict[str, Any], seeds: list[int], batch:
                 if not (finished and (len(finished) >= batch or state.dry)):
                     state.ready = trio.Event()
                     await state.ready.wait()
+                if not finished:
+                    continue  # woken at the end of the asks with nothing left to send
                 items = finished[:batch]
                 del finished[:batch]
                 state.busy = True
