@@ -4,9 +4,10 @@ a request and its reply are named.
 Why the data plane's authenticated TCP and not a persistent libp2p stream. Measured on 127.0.0.1
 (2 shared cores, hub in its own process, CPU from /proc, 2 clients x 500 request/reply pairs of
 300 bytes, connection set-up included; ``python -m echo2.bench.channel_cost``): a fresh py-libp2p stream per
-request cost the hub 4.4-5.1 ms of CPU a message, one persistent libp2p stream with our framing
-1.0-1.1 ms (Noise, Yamux and trio's stream layers remain on every message), the data plane's
-connection 0.26-0.30 ms. Only the last meets the 0.3 ms a heartbeat target. Nothing on the
+request cost the hub 4.4-5.5 ms of CPU a message, one persistent libp2p stream with our framing
+1.0-1.2 ms (Noise, Yamux and trio's stream layers remain on every message), the data plane's
+connection 0.26-0.31 ms (4 runs, contended machine). Only the last comes near the 0.3 ms a
+heartbeat target, whose handler alone costs the hub ~0.3 ms more (bench intake, in-process). Nothing on the
 channel needs the transport's encryption for integrity: every payload is a signed envelope whose
 signature is checked over its raw bytes, and the connection itself is authenticated both ways
 with the peers' libp2p keys (:mod:`echo2.protocol.handshake`), so the peer ID a request is
