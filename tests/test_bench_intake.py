@@ -45,5 +45,7 @@ def test_bench_intake_live_small_fleet(tmp_path: Path) -> None:
     r, h = row["results"], row["heartbeats"]
     assert r["accepted"] > 0 and not r["refused"] and not r["errors"]
     assert r["messages"] < r["accepted"]  # some results travelled together in a ResultBatch
-    assert r["hub_cpu_ms_per_result"] > 0 and h["answered"] > 0 and h["hub_cpu_ms_per_heartbeat"] > 0
+    assert r["hub_cpu_ms_per_result"] > 0 and h["answered"] > 0
+    # /proc counts CPU in 10 ms ticks: a few heartbeats may read as none
+    assert h["hub_cpu_ms_per_heartbeat"] is not None and h["hub_cpu_ms_per_heartbeat"] >= 0
     assert row["hub_rss_mb"] > 0 and r["loop_lag_max_ms"] >= r["loop_lag_p99_ms"] >= 0
