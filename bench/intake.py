@@ -65,6 +65,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tokens", type=int, default=SMALL_TOKENS,
                         help=f"tokens per completion of the measured results (default {SMALL_TOKENS}; 8 completions each)")
     parser.add_argument("--packed", action="store_true", help="results in the packed wire form nodes send (default: list form)")
+    parser.add_argument("--clients", type=int, default=0,
+                        help="a live hub driven by this many client processes (bench/intake_live.py); 0: in-process")
+    parser.add_argument("--batch", type=int, default=1, help="live mode: results per message (a ResultBatch when > 1)")
+    parser.add_argument("--duration", type=float, default=20.0, help="live mode: seconds of the results phase")
+    parser.add_argument("--idle", type=float, default=5.0, help="live mode: seconds of the idle phase (hub CPU at rest)")
     parser.add_argument("--big-result-MB", type=float, default=0.0, dest="big_result_mb",
                         help="instead: one result of this size, list form vs packed form (bench/intake_big.py)")
 
@@ -374,6 +379,10 @@ def run(args: argparse.Namespace) -> int:
         if args.json:
             Path(args.json).write_text(json.dumps(big, indent=2))
         return 0
+    if getattr(args, "clients", 0) > 0:
+        from .intake_live import run_live
+
+        return run_live(args)
     sizes = [int(x) for x in str(args.nodes).split(",") if x.strip()]
     worker_counts = [int(x) for x in str(getattr(args, "workers", "0")).split(",") if x.strip()]
     sleep_s, packed = float(getattr(args, "reward_sleep", 0.0)), bool(getattr(args, "packed", False))

@@ -75,6 +75,8 @@ class HubConfig:
     listen_port: Annotated[int, _doc("0 = pick a free port", ge=0, le=65535)] = 0
     data_port: Annotated[int, _doc("TCP data plane for policy chunks (0 = free port)", ge=0, le=65535)] = 0
     status_port: Annotated[int, _doc("status/metrics HTTP on 127.0.0.1 (0 = off or free)", ge=0, le=65535)] = 0
+    channel: Annotated[bool, _doc("serve each node one long-lived channel (authenticated TCP) for heartbeats, holds and results; false: a libp2p stream per request")] = True
+    channel_port: Annotated[int, _doc("TCP port of the nodes' channel (0 = free port)", ge=0, le=65535)] = 0
     upload_limit_MBps: Annotated[float, _doc("emulate/cap the hub uplink (0 = unlimited)", ge=0)] = 0.0
     nat_relay: Annotated[bool, _doc("NAT-bound nodes relay policy chunks to reachable children by dialling them (reverse connections); false: NAT-bound nodes are leaves")] = True
     nat_punch: Annotated[bool, _doc("NAT-bound nodes relay to NAT-bound children too, over a TCP hole both ends punch at the hub's word (node.punch; nodes must run with punching on); a failed punch moves the child to a reachable parent")] = False

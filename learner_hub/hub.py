@@ -43,11 +43,13 @@ from echo2.protocol.messages import (
     Task,
     TaskDecline,
 )
+from echo2.protocol.net.channel import ChannelServer
 from echo2.protocol.net.control import ControlHost, address_key, remote_ip
 from echo2.protocol.net.dataplane import DataPlaneServer
 from echo2.protocol.peerlimit import KeyedRateLimiter
 from echo2.protocol.wire import WORK_POLL_S
 
+from .batchintake import channel_offer, judge_batch
 from .broadcast import PeerInfo, PipelinedSender, StarWithHolds
 from .config import HubConfig, render_config
 from .curves import HubCurves
@@ -153,6 +155,8 @@ class Hub:
         self.probe_server: DataPlaneServer | None = None
         self.addrs: list[str] = []
         self.data_addr = self.status_url = ""
+        self.channel_server: ChannelServer | None = None
+        self.channel_addr = ""  # the nodes' channel listener (serve.py; protocol/channel.py), "" when none
         self.resumed_from, self.restored_results = self.trainer.resume()
         self._start_tracking()
         self.intake_pool.wait_ready()  # a worker that cannot load the tokenizer or rewards stops start-up
@@ -302,6 +306,16 @@ class Hub:
             self.outbox.feed()
         await pending.wait()
         return seal_receipt(self.identity, receipt)  # the node's proof of contribution (issue 19)
+
+    async def on_results(self, peer: str, data: bytes) -> bytes:
+        """A ResultBatch: each item judged by :meth:`on_result`, one verdict each (batchintake.py)."""
+        return await judge_batch(self.identity, peer, data, replay=self.replay, allowed=self._signed_by(peer),
+                                 per_result=self.on_result)
+
+    async def on_channel(self, peer: str, data: bytes) -> bytes:
+        """Where an admitted node opens its channel (the request carries nothing: the stream's
+        authenticated peer ID is the asker)."""
+        return channel_offer(self.identity, peer, self.channel_addr, admitted=peer in self.nodes and peer not in self.fleet.banned)
 
     async def _eval_result(self, peer: str, r: Findings, verdict: Accept, now: float, tokens: int,
                            checked: Checked | None = None) -> bytes:

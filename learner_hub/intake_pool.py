@@ -46,6 +46,7 @@ from typing import Any
 import msgspec
 import trio
 
+from echo2.protocol.batchmessages import MAX_BATCH_RESULTS
 from echo2.protocol.errors import ProtocolError
 
 from .config import ConfigError, HubConfig
@@ -203,7 +204,9 @@ class IntakePool:
     """``workers`` intake processes (0: the checks run in this process)."""
 
     def __init__(self, workers: int, spec: WorkerSpec, decode_batch: Callable[[list[list[int]]], list[str]], *,
-                 per_worker: int = 8, per_peer: int = 4) -> None:
+                 per_worker: int = 2 * MAX_BATCH_RESULTS, per_peer: int = MAX_BATCH_RESULTS) -> None:
+        # a node's ResultBatch is judged item by item, all at once (batchintake.py): a per-peer
+        # bound below a batch's size would answer busy to the rest of an honest batch
         self.spec, self.decode_batch = spec, decode_batch
         self.per_worker, self.per_peer = per_worker, per_peer
         self.reply_timeout_s = spec.reward_timeout_s + REPLY_SLACK_S

@@ -12,11 +12,13 @@ from typing import TYPE_CHECKING
 import trio
 
 from echo2.fsutil import atomic_write
+from echo2.protocol.net.channel import ChannelServer
 from echo2.protocol.net.control import ANNOUNCE_TOPIC, ControlHost, RequestLimits
 from echo2.protocol.net.dataplane import DataPlaneServer
 from echo2.protocol.net.ratelimit import UploadLimiter
 from echo2.protocol.wire import (
     ADMISSION,
+    CHANNEL,
     DECLINE,
     HOLDS,
     MAX_CONTROL_REQUEST,
@@ -24,6 +26,7 @@ from echo2.protocol.wire import (
     PAUSE,
     REPORT,
     RESULT,
+    RESULTS,
     WORK,
 )
 
@@ -48,7 +51,8 @@ async def serve(hub: Hub) -> int:
         for proto, handler, size in ((ADMISSION, hub.on_admission, MAX_CONTROL_REQUEST), (WORK, hub.on_work, MAX_CONTROL_REQUEST),
                                      (RESULT, hub.on_result, MAX_RESULT), (DECLINE, hub.on_decline, MAX_CONTROL_REQUEST),
                                      (HOLDS, hub.on_holds, MAX_CONTROL_REQUEST), (REPORT, hub.on_relay_report, MAX_CONTROL_REQUEST),
-                                     (PAUSE, hub.on_pause, MAX_CONTROL_REQUEST)):
+                                     (PAUSE, hub.on_pause, MAX_CONTROL_REQUEST), (RESULTS, hub.on_results, MAX_RESULT),
+                                     (CHANNEL, hub.on_channel, 0)):
             host.set_handler(proto, handler, max_request=size)
         await host.subscribe(ANNOUNCE_TOPIC, hub.on_announce)
         async with trio.open_nursery() as nursery:
@@ -61,6 +65,7 @@ async def serve(hub: Hub) -> int:
             )
             await nursery.start(server.serve)
             hub.data_addr = f"{cfg.listen_host}:{server.port}"
+            await _start_channel(hub, host, nursery)
             if isinstance(hub.sender, PipelinedSender):
                 hub.sender.data_addr = hub.data_addr
             # A separate data plane for bandwidth probes (admitted nodes only): the policy downlink
@@ -100,6 +105,21 @@ async def serve(hub: Hub) -> int:
             else:
                 await trio.sleep_forever()
     return 0
+
+
+async def _start_channel(hub: Hub, host: ControlHost, nursery: trio.Nursery) -> None:
+    """The nodes' long-lived channel (protocol/channel.py says why the data plane's TCP): heartbeats,
+    holds, results and their acknowledgements, served by the same handlers as on the control host."""
+    if not hub.cfg.channel:
+        return
+    handlers = {WORK: hub.on_work, RESULT: hub.on_result, RESULTS: hub.on_results, HOLDS: hub.on_holds,
+                DECLINE: hub.on_decline, PAUSE: hub.on_pause}
+    channel = ChannelServer(hub.identity, handlers, allow=lambda pid: pid in hub.nodes and pid not in hub.fleet.banned,
+                            host=hub.cfg.listen_host, port=hub.cfg.channel_port, rate=host.limits.per_protocol,
+                            default_rate=(host.limits.rate_per_s, host.limits.burst), refusals=host.refusals)
+    await nursery.start(channel.serve)
+    hub.channel_server = channel
+    hub.channel_addr = f"{hub.cfg.listen_host}:{channel.port}"  # a node puts the IP it reached us at for 0.0.0.0
 
 
 async def _watch_signals(hub: Hub, scope: trio.CancelScope) -> None:

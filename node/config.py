@@ -25,6 +25,8 @@ class NodeConfig:
     memory_budget_MiB: int = 0
     # transformers and huggingface_hub never touch the network (False: the operator allows it)
     model_hub_offline: bool = True
+    # heartbeats, holds and results on one long-lived channel to the hub when it offers one (hublink.py)
+    channel: bool = True
     json_events: bool = False  # progress as JSON lines on stdout (`node run --json`), not log lines
     # computing preferences given as flags (prefs.Prefs field -> value); they override DATA_DIR/node.toml
     prefs: dict[str, Any] = field(default_factory=dict)

@@ -53,6 +53,7 @@ from .budget import Budget, Footprint, check_model, footprint, memory_budget
 from .chunkstore import ChunkStore
 from .config import NodeConfig, NodeStats, hub_peer_id
 from .hardware import probe
+from .hublink import HubLink
 from .pausing import Pauser
 from .prefs import Prefs, memory_cap_MiB, threads_for
 from .progress import NodeSteps, Progress
@@ -85,6 +86,7 @@ class Node(TaskLoop):
         self._engine: Any = None
         self._hub_data_addr = ""
         self._seq = 0
+        self.link: HubLink | None = None
         self._stop = trio.Event()
         self._started = time.time()
         self._current_task: Task | None = None
@@ -192,13 +194,16 @@ class Node(TaskLoop):
             if decision is None:
                 return 1
             async with trio.open_nursery() as nursery:
+                # heartbeats, holds and results on one long-lived channel when the hub offers one
+                self.link = HubLink(host, self.identity, self.hub_peer, enabled=self.cfg.channel, replay=self.replay)
+                nursery.start_soon(self.link.run)
                 nursery.start_soon(self.loop_lag.run)
                 await nursery.start(self._policy_downlink)
                 nursery.start_soon(self._measure_after_admissions, host)
                 nursery.start_soon(self._heartbeat, host)
                 nursery.start_soon(self._worker, host, nursery.cancel_scope)
                 nursery.start_soon(self._watch_signals)
-                nursery.start_soon(self.pauser.run, host)
+                nursery.start_soon(self.pauser.run, self.link)
                 await self._stop.wait()
                 await self._abandon_current(host)
                 await self._say_goodbye(host)
@@ -451,7 +456,7 @@ class Node(TaskLoop):
     async def _report_holds(self, host: ControlHost, holds: HoldsVersion) -> None:
         """Report holding a version and answer the hub's challenge (A5): the hub gives work on a
         version only to a node that proved it holds its bytes."""
-        reply = await host.request(self.hub_peer, HOLDS, envelope.seal(self.identity, holds), max_response=MAX_CONTROL_REQUEST,
+        reply = await self._to_hub(host).request(self.hub_peer, HOLDS, envelope.seal(self.identity, holds), max_response=MAX_CONTROL_REQUEST,
                                    timeout_s=10)
         ch = envelope.open_envelope(reply, (HoldsChallenge, ErrorReply), replay=self.replay, allowed=self._hub_only).message
         if isinstance(ch, ErrorReply):
@@ -472,7 +477,7 @@ class Node(TaskLoop):
             return
         proof = HoldsProof(peer_id=self.peer_id, version=ch.version, nonce=ch.nonce,
                            digest=holdsproof.answer(ch.nonce, raw, ch.offset, ch.length))
-        await host.request(self.hub_peer, HOLDS, envelope.seal(self.identity, proof), max_response=MAX_CONTROL_REQUEST,
+        await self._to_hub(host).request(self.hub_peer, HOLDS, envelope.seal(self.identity, proof), max_response=MAX_CONTROL_REQUEST,
                            timeout_s=10)
 
     def _stored_chunk(self, ch: HoldsChallenge) -> bytes | None:

@@ -12,6 +12,10 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 from . import canonical
+from .batchmessages import BatchAck as BatchAck
+from .batchmessages import BatchVerdict as BatchVerdict
+from .batchmessages import ChannelOffer as ChannelOffer
+from .batchmessages import ResultBatch as ResultBatch
 from .hashing import digest
 from .nodemessages import MAX_RECEIPT_TASKS as MAX_RECEIPT_TASKS
 from .nodemessages import HoldsChallenge as HoldsChallenge
@@ -491,10 +495,14 @@ MESSAGE_TYPES: dict[str, type[Message]] = {
         ProbeReply,
         Receipt,
         NodePause,
+        ResultBatch,
+        BatchAck,
+        ChannelOffer,
     )
 }
 MESSAGE_TYPES_BY_DOMAIN: dict[str, type[Message]] = {c.DOMAIN: c for c in MESSAGE_TYPES.values()}
-RECORD_TYPES: tuple[type[Record], ...] = (*MESSAGE_TYPES.values(), Completion, PackedCompletion, ManifestChunk, TensorEntry)
+RECORD_TYPES: tuple[type[Record], ...] = (*MESSAGE_TYPES.values(), Completion, PackedCompletion, ManifestChunk, TensorEntry,
+                                           BatchVerdict)
 
 
 def _check_specs() -> None:

@@ -25,6 +25,8 @@ DECLINE = "/echo2/decline/1.0.0"  # TaskDecline -> ack
 HOLDS = "/echo2/holds/1.0.0"  # HoldsVersion -> ack
 REPORT = "/echo2/relay_report/1.0.0"  # RelayReport (a peer relayed a corrupt chunk) -> ack
 PAUSE = "/echo2/pause/1.0.0"  # NodePause (computing paused or resumed by preferences) -> ack
+RESULTS = "/echo2/results/1.0.0"  # ResultBatch (several signed results) -> BatchAck (one verdict each)
+CHANNEL = "/echo2/channel/1.0.0"  # empty -> ChannelOffer: where the node opens its channel (protocol/channel.py)
 PROBE = "/echo2/probe/1.0.0"  # Announce (before admission) -> ProbeReply: dial-back, clock, bandwidth
 
 MAX_CONTROL_REQUEST = 4 * 1024 * 1024

@@ -7,6 +7,8 @@ import argparse
 import json
 from pathlib import Path
 
+import pytest
+
 from echo2.bench import intake as bench_intake
 
 
@@ -43,3 +45,24 @@ def test_bench_intake_with_intake_workers(tmp_path: Path) -> None:
         assert row["accepted"] == 4 and row["packed"] is True
         assert row["result"]["process_cpu_ms"]["n"] == 4 and "loop_lag_p99_ms" in row["loop_lag_during_results"]
     assert rep["ratio_result_process_cpu_by_workers"]["4:1/0"] > 0
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_bench_intake_live_small_fleet(tmp_path: Path) -> None:
+    """The live mode: a hub process, client processes over the channel, batches of 2; every result
+    sent is judged (accepted: the tasks were real), and each figure was measured."""
+    parser = argparse.ArgumentParser()
+    bench_intake.add_arguments(parser)
+    out = tmp_path / "live.json"
+    args = parser.parse_args(["--nodes", "8", "--clients", "1", "--batch", "2", "--duration", "3", "--idle", "1",
+                              "--json", str(out)])
+    assert bench_intake.run(args) == 0
+    row = json.loads(out.read_text())["rows"][0]
+    r, h = row["results"], row["heartbeats"]
+    assert r["accepted"] > 0 and not r["refused"] and not r["errors"]
+    assert r["messages"] < r["accepted"]  # some results travelled together in a ResultBatch
+    assert r["hub_cpu_ms_per_result"] > 0 and h["answered"] > 0
+    # /proc counts CPU in 10 ms ticks: a few heartbeats may read as none
+    assert h["hub_cpu_ms_per_heartbeat"] is not None and h["hub_cpu_ms_per_heartbeat"] >= 0
+    assert row["hub_rss_mb"] > 0 and r["loop_lag_max_ms"] >= r["loop_lag_p99_ms"] >= 0

@@ -61,6 +61,10 @@ def corpus() -> list[bytes]:
         messages.Receipt(PEER, IDENTITIES[1].peer_id, ["t-1"], 1, 4, 32, 100_000, NOW, 1, 4, 32, 7),
         messages.Receipt(PEER, IDENTITIES[1].peer_id, [], 0, 0, 0, 100_000, NOW, 1, 4, 32, 9),  # a statement
         messages.NodePause(PEER, True, "hours", "outside the allowed hours", NOW),
+        messages.ResultBatch(PEER, [seal(SIGNER, make_result(), now=NOW, ttl_s=60.0), b"\x00" * 8]),
+        messages.BatchAck(PEER, [messages.BatchVerdict(True, "ok", "", b"\x01" * 40),
+                                 messages.BatchVerdict(False, "stale", "too old", b"")]),
+        messages.ChannelOffer(PEER, IDENTITIES[1].peer_id, "127.0.0.1:9", 32, 1 << 20),
     ]
     assert {type(m) for m in msgs} == set(ALL_TYPES)
     return [seal(SIGNER, m, now=NOW, ttl_s=60.0) for m in msgs]

@@ -102,6 +102,10 @@ def golden() -> dict[str, Any]:
         "node_pause": m.NodePause(P[0], True, "hours", "outside the allowed hours 22-7 ☃", NOW),
         "holds_challenge": m.HoldsChallenge(P[1], 2**63 - 1, bytes(range(16)), 65535, 2**32, 1 << 20),
         "holds_proof": m.HoldsProof(P[1], 0, b"\xff" * 16, bytes(range(32))),
+        "result_batch": m.ResultBatch(P[0], [b"", b"\x00" * 31, b"\xff" * 256, b"r" * 65536]),
+        "batch_ack": m.BatchAck(P[0], [m.BatchVerdict(True, "ok", "", b"\x01" * 300),
+                                       m.BatchVerdict(False, "duplicate", "task t-1 already answered ☃", b"")]),
+        "channel_offer": m.ChannelOffer(P[2], P[0], "[::1]:65535", 32, 2**26 - 2**16),
     }
 
 
@@ -127,6 +131,9 @@ GOLDEN = {
     "node_pause": ("72e56a84268e629aeaafcafc3c7d5af51be93fc0400abb730495afa33d385ea2", 151),  # added with it (issue 19)
     "holds_challenge": ("5be873ede04c662ba7be253f6b7440092caa752f6d33cb76d6dd85f10aa2bb2b", 141),  # A5, at its introduction
     "holds_proof": ("65bc8379327d961e9815801c2914a4388152b9f8f8b9ef2d798377d1479fbe0a", 137),  # A5, at its introduction
+    "result_batch": ("d70059a40507d4a352804ab705840b0dae43932a5ec699ae04f834fc73021d06", 65907),  # issue 20 item 2, at its introduction
+    "batch_ack": ("5aeb9f8d1b7397329a2d8fdc41b8b6f6e110ae80191f154b77dba252bf3c1f45", 486),  # issue 20 item 2, at its introduction
+    "channel_offer": ("bdc68f2b8e2b49b85564e882d234a3ab668fea71c3493416f95253aece64de64", 173),  # issue 20 item 2, at its introduction
     "envelope_task": ("c9d96e50a4a2c08e4ce8dd9ccbbfb2a45915795bf0a3a9f3fa48f5872c652470", 444),
 }
 TASK_HASH = "626ea549864dad821f852ac36672287330583dfde51fab7c64cd3017492196e3"

@@ -205,6 +205,13 @@ class DataConnection:
     async def send_message(self, payload: bytes) -> None:
         await self._send_frame(FrameType.MESSAGE, ZERO_KEY, payload)
 
+    async def send_keyed(self, ftype: FrameType, key: bytes, payload: bytes | bytearray | memoryview) -> None:
+        """A REQUEST or MESSAGE frame whose key names it (the hub channel's request ids,
+        :mod:`echo2.protocol.channel`); a CHUNK's key is its hash, so use :meth:`send_chunk`."""
+        if ftype is FrameType.CHUNK:
+            raise ValueError("a chunk's key is its hash: use send_chunk")
+        await self._send_frame(ftype, key, payload)
+
     async def send_error(self, code: str, message: str) -> None:
         await self._send_frame(FrameType.ERROR, ZERO_KEY, encode_error(code, message))
 

@@ -1,0 +1,456 @@
+"""``echo2 bench intake --clients K [--batch B]``: a live hub serving a simulated fleet (issue 20,
+item 5). What the in-process mode (bench/intake.py) leaves out, the transport, is in here.
+
+Per fleet size N, in this order:
+
+* a hub process: a real :class:`~echo2.learner_hub.hub.Hub` (tiny model, its SQLite store
+  thread, the built-in rewards), N node identities admitted through ``on_admission`` (signed
+  requests, in the hub's process: admitting 10,000 over the network is the admission bench's
+  business), then the hub's channel listener (:class:`~echo2.protocol.net.channel.ChannelServer`,
+  the same handlers ``echo2 hub serve`` gives it), its housekeeping (liveness, expiry, activation,
+  status.json every second) and its loop-lag ticker. The learner is a stand-in that takes the
+  buffered rows every 0.5 s (as a training step would, without the training's CPU), so tasks keep
+  flowing;
+* ``idle``: nobody talks for a few seconds: the hub's CPU at rest (housekeeping, status);
+* ``results``: K client processes drive W working identities, each over its own channel
+  connection (authenticated with that identity's key): ask for work (WORK long poll) until it
+  holds B tasks or the hub has none, answer each with a valid signed PackedResult (8 completions
+  x 64 tokens), send them (one alone as RESULT, several as one signed ResultBatch), repeat;
+* ``heartbeats``: other identities of the fleet, each with tasks waiting, ask for work twice
+  (WORK answered at once with a Task): the heartbeat the issue measures.
+
+Hub CPU is utime + stime of the hub process and its children from /proc (all threads: store,
+rewards), per phase; ``*_net`` subtracts the idle phase's rate for the phase's duration. Loop lag
+p99 and max are the hub's own ticker's, per phase. Set-up shortcuts, each stated in the JSON:
+nodes marked hub-timed and holding version 0 after admission (as in the in-process mode); a
+node's tasks in flight capped at max(2, B) so that B can be batched; the channel address handed
+to the clients (a node asks for it with CHANNEL on the control plane); the channel's per-IP
+handshake rate off (every simulated node dials from 127.0.0.1).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import gc
+import json
+import multiprocessing as mp
+import os
+import tempfile
+import time
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+SMALL_COMPLETIONS = 8
+SMALL_TOKENS = 64
+TIMED_RATE = 0.01
+WORKERS_PER_CLIENT = 16
+HEARTBEAT_IDENTITIES = 1000
+
+
+def _seed(i: int) -> bytes:
+    return (b"echo2-bench-intake-live" + i.to_bytes(8, "big")).ljust(32, b"\x00")[:32]
+
+
+def _tree_cpu_s(pid: int) -> float:
+    """CPU seconds (user + system) of ``pid`` and its live children."""
+    tck = os.sysconf("SC_CLK_TCK")
+    total = 0.0
+    for p in os.listdir("/proc"):
+        if not p.isdigit():
+            continue
+        try:
+            with open(f"/proc/{p}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(p) == pid or int(fields[1]) == pid:
+            total += (int(fields[11]) + int(fields[12])) / tck
+    return total
+
+
+def _rss_mb(pid: int) -> float:
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    return 0.0
+
+
+def bench_announce(peer: str) -> Any:
+    from echo2.protocol.messages import Announce
+
+    return Announce(
+        peer_id=peer, software_version="0.1.0", accelerator="", accelerator_count=0, accelerator_memory_bytes=0,
+        cpu_model="bench", cpu_cores=1, ram_bytes=1 << 30, free_disk_bytes=1 << 30, engine="transformers",
+        engine_version="", tokens_per_s=0.0, rollouts_per_s=8.0, upload_MBps=0.0, download_MBps=0.0,
+        price_usd_per_hour=0.0, listen_addrs=[], data_addr="", reachable=False, versions_held=[], max_upload_MBps=0.0,
+    )
+
+
+# --- the hub process ----------------------------------------------------------------------------
+
+def _hub_proc(n: int, batch: int, workdir: str, cmd: Any, out: Any) -> None:
+    import logging
+
+    import trio
+
+    from echo2.learner_hub.config import HubConfig
+    from echo2.learner_hub.dispatch_index import NodeIndex
+    from echo2.learner_hub.hub import Hub
+
+    logging.getLogger("echo2").setLevel(logging.ERROR)
+    cfg = HubConfig(dir=workdir, steps=10**6, prompts_per_step=max(n, 256), group_size=SMALL_COMPLETIONS, max_new_tokens=SMALL_TOKENS,
+                    staleness=1, task_deadline_s=3600.0, node_silence_s=3600.0)
+    hub = Hub(cfg)
+    cap = max(2, batch)
+    if cap != hub.dispatcher.config.max_in_flight_per_node:  # before any node is known to it
+        hub.dispatcher.config = dataclasses.replace(hub.dispatcher.config, max_in_flight_per_node=cap)
+        hub.dispatcher.index = NodeIndex(cap)
+    gc.freeze()
+    try:
+        trio.run(_hub_main, hub, n, cmd, out)
+    finally:
+        hub.store.close()
+
+
+async def _hub_main(hub: Any, n: int, cmd: Any, out: Any) -> None:
+    import trio
+
+    from echo2.learner_hub.store import HubStore
+    from echo2.looplag import LoopLag
+    from echo2.protocol import envelope
+    from echo2.protocol.identity import Identity
+    from echo2.protocol.messages import AdmissionRequest
+    from echo2.protocol.net.channel import ChannelServer
+    from echo2.protocol.wire import DECLINE, HOLDS, PAUSE, RESULT, RESULTS, WORK
+
+    await hub.publish()
+    t0 = time.perf_counter()
+    for i in range(n):
+        node = Identity.from_seed(_seed(i))
+        req = AdmissionRequest(peer_id=node.peer_id, join_token="", announce=bench_announce(node.peer_id))
+        await hub.on_admission(node.peer_id, envelope.seal(node, req))
+    admit_s = time.perf_counter() - t0
+    for st in hub.dispatcher.nodes.values():
+        st.claimed, st.rate = False, TIMED_RATE
+    for node_info in hub.nodes.values():
+        node_info.held_version = 0
+    hub.outbox.feed()
+    await hub.store.call(lambda st: None)
+    handlers = {WORK: hub.on_work, RESULT: hub.on_result, RESULTS: hub.on_results, HOLDS: hub.on_holds,
+                DECLINE: hub.on_decline, PAUSE: hub.on_pause}
+    refusals: Counter[str] = Counter()
+    server = ChannelServer(hub.identity, handlers, allow=lambda p: p in hub.nodes, handshakes_per_ip_per_s=None,
+                           refusals=refusals)
+
+    async def learner_stand_in() -> None:
+        while True:
+            await trio.sleep(0.5)
+            taken = hub.buffer.take_batch(hub.learner.version, len(hub.buffer)) or []
+            done = [tid for _, (tid, _g) in taken if hub.intake.book.group_gone(tid)]
+            hub.store.submit(HubStore.mark_trained, done, hub.learner.version)
+            hub.outbox.feed()
+
+    async with trio.open_nursery() as nursery:
+        await nursery.start(server.serve)
+        nursery.start_soon(hub.housekeeping)
+        nursery.start_soon(learner_stand_in)
+        plain = [t for t in range(3, min(hub.tok.vocab_size, 200)) if t not in set(hub.tok.stop_ids)]
+        out.put({"addr": server.addr, "hub_id": hub.identity.peer_id, "plain": plain, "admit_s": round(admit_s, 2),
+                 "tasks_in_flight": len(hub.dispatcher.in_flight)})
+        lag = LoopLag()
+        lag_scope = trio.CancelScope()
+
+        async def run_lag(scope: trio.CancelScope, ticker: LoopLag) -> None:
+            with scope:
+                await ticker.run()
+
+        nursery.start_soon(run_lag, lag_scope, lag)
+        while True:
+            what = await trio.to_thread.run_sync(cmd.get)
+            if what == "stop":
+                nursery.cancel_scope.cancel()
+                return
+            if what == "lag":  # the last phase's loop lag, and a fresh ticker for the next
+                out.put(lag.report() | {"accepted": hub.dispatcher.stats.accepted,
+                                        "refused": dict(hub.dispatcher.stats.refused_by_reason),
+                                        "channel_refusals": dict(refusals)})
+                lag_scope.cancel()
+                lag, lag_scope = LoopLag(), trio.CancelScope()
+                nursery.start_soon(run_lag, lag_scope, lag)
+
+
+# --- the client processes -----------------------------------------------------------------------
+
+@dataclasses.dataclass
+class _SenderState:
+    ready: Any  # a trio.Event: something is finished
+    busy: bool = False
+    dry: bool = False  # the hub had no task for the last ask: send what is finished
+
+
+def _client_proc(role: str, info: dict[str, Any], seeds: list[int], batch: int, duration_s: float, out: Any,
+                 go: Any) -> None:
+    import logging
+
+    import trio
+
+    logging.getLogger("echo2").setLevel(logging.ERROR)
+    out.put(trio.run(_client_main, role, info, seeds, batch, duration_s, out, go))
+
+
+async def _client_main(role: str, info: dict[str, Any], seeds: list[int], batch: int, duration_s: float, out: Any,
+                       go: Any) -> dict[str, Any]:
+    """Every identity's channel is opened first (untimed: a node keeps its channel), then the
+    phase starts when the orchestrator says go."""
+    import random
+
+    import trio
+
+    from echo2.protocol import envelope
+    from echo2.protocol.batchmessages import BatchAck, ResultBatch
+    from echo2.protocol.errors import Echo2Error
+    from echo2.protocol.framing import RemoteError
+    from echo2.protocol.identity import Identity
+    from echo2.protocol.messages import ErrorReply, Heartbeat, Task, task_hash
+    from echo2.protocol.net.channel import ChannelClient
+    from echo2.protocol.packedresult import PackedCompletion, PackedResult, pack_ids, pack_logprobs
+    from echo2.protocol.wire import MAX_CONTROL_REQUEST, MAX_TASK, RESULT, RESULTS, WORK
+
+    rng = random.Random(seeds[0] if seeds else 0)
+    plain: list[int] = info["plain"]
+    c: Counter[str] = Counter()
+    first_error: dict[str, str] = {}
+    lps = pack_logprobs([-0.5] * SMALL_TOKENS)
+
+    def result_for(node: Identity, task: Task) -> bytes:
+        comps = [PackedCompletion(i, pack_ids([rng.choice(plain) for _ in range(SMALL_TOKENS)]), lps, "length")
+                 for i in range(len(task.prompts)) for _ in range(task.group_size)]
+        r = PackedResult(task_id=task.task_id, task_hash=task_hash(task), node_id=node.peer_id, version=0,
+                         completions=comps, started_at=time.time(), gen_seconds=0.1, tokens=SMALL_TOKENS * len(comps))
+        return envelope.seal(node, r, ttl_s=300)
+
+    async def heartbeat(ch: ChannelClient, node: Identity, seq: int) -> Task | None:
+        hb = Heartbeat(peer_id=node.peer_id, seq=seq, versions_held=[0], busy_tasks=0, queue_free=1)
+        reply = await ch.request(WORK, envelope.seal(node, hb), max_response=MAX_TASK, timeout_s=30)
+        c["heartbeats"] += 1
+        m = envelope.open_envelope(reply, (Task, ErrorReply), replay=None).message
+        if isinstance(m, Task):
+            c["heartbeats_with_task"] += 1
+            return m
+        return None
+
+    async def send(node: Identity, ch: ChannelClient, sealed: list[bytes]) -> None:
+        c["messages"] += 1
+        if len(sealed) == 1:
+            try:
+                await ch.request(RESULT, sealed[0], max_response=MAX_CONTROL_REQUEST, timeout_s=60)
+                c["accepted"] += 1
+            except RemoteError as exc:
+                c["refused:" + exc.code] += 1
+            return
+        msg = envelope.seal(node, ResultBatch(node_id=node.peer_id, results=sealed), ttl_s=300)
+        reply = await ch.request(RESULTS, msg, max_response=MAX_CONTROL_REQUEST, timeout_s=60)
+        for v in envelope.open_envelope(reply, BatchAck, replay=None).message.verdicts:
+            c["accepted" if v.accepted else "refused:" + v.code] += 1
+
+    async def worker(node: Identity, ch: ChannelClient, end: float) -> None:
+        """Asks for work and "runs" each task at once, as a node whose B tasks finish together: the
+        sender sends when B are finished, or fewer when the hub had no more work to give."""
+        finished: list[bytes] = []
+        state = _SenderState(trio.Event())
+
+        async def fetch() -> None:
+            seq = 0
+            while trio.current_time() < end:  # never cancelled mid-request: the phase ends between asks
+                seq += 1
+                t = await heartbeat(ch, node, seq)
+                if t is not None:
+                    finished.append(result_for(node, t))
+                state.dry = t is None
+                if finished and (len(finished) >= batch or state.dry):
+                    state.ready.set()
+
+        async def sender() -> None:
+            while True:
+                if not (finished and (len(finished) >= batch or state.dry)):
+                    state.ready = trio.Event()
+                    await state.ready.wait()
+                if not finished:
+                    continue  # woken at the end of the asks with nothing left to send
+                items = finished[:batch]
+                del finished[:batch]
+                state.busy = True
+                try:
+                    await send(node, ch, items)
+                finally:
+                    state.busy = False
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(ch.run)
+            try:
+                async with trio.open_nursery() as inner:
+                    inner.start_soon(sender)
+                    await fetch()
+                    state.dry = True  # no more asks: what is finished goes now, whatever its count
+                    state.ready.set()
+                    with trio.move_on_after(60):  # what is finished is still delivered
+                        while finished or state.busy:
+                            await trio.sleep(0.05)
+                    inner.cancel_scope.cancel()
+            except* Echo2Error as group:
+                for exc in group.exceptions:
+                    code = getattr(exc, "code", "error")
+                    c["errors:" + code] += 1
+                    first_error.setdefault(code, str(exc)[:300])
+            finally:
+                nursery.cancel_scope.cancel()
+        await ch.aclose()
+
+    async def poller(node: Identity, ch: ChannelClient) -> None:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(ch.run)
+            with contextlib.suppress(Echo2Error):
+                for seq in (1, 2):
+                    if await heartbeat(ch, node, seq) is None:
+                        break
+            nursery.cancel_scope.cancel()
+        await ch.aclose()
+
+    nodes = [Identity.from_seed(_seed(s)) for s in seeds]
+    channels = [await ChannelClient.open(info["addr"], node, info["hub_id"]) for node in nodes]
+    out.put("ready")
+    await trio.to_thread.run_sync(go.wait)
+    t0 = trio.current_time()
+    with trio.move_on_after(duration_s + 120) as bound:  # a stuck exchange ends the phase, counted
+        async with trio.open_nursery() as nursery:
+            for node, ch in zip(nodes, channels, strict=True):
+                if role == "work":
+                    nursery.start_soon(worker, node, ch, t0 + duration_s)
+                else:
+                    nursery.start_soon(poller, node, ch)
+    if bound.cancelled_caught:
+        c["errors:phase_timeout"] += 1
+    return dict(c) | {"wall_s": trio.current_time() - t0, "first_error": first_error}
+
+
+# --- the orchestration ---------------------------------------------------------------------------
+
+def _phase(ctx: Any, hub_pid: int, role: str, info: dict[str, Any], parts: list[list[int]], batch: int,
+           duration_s: float) -> tuple[dict[str, Any], float, float]:
+    q, go = ctx.Queue(), ctx.Event()
+    procs = [ctx.Process(target=_client_proc, args=(role, info, part, batch, duration_s, q, go)) for part in parts if part]
+    for p in procs:
+        p.start()
+    for _ in procs:
+        assert q.get(timeout=600) == "ready"
+    c0, t0 = _tree_cpu_s(hub_pid), time.perf_counter()
+    go.set()
+    counts: Counter[str] = Counter()
+    first_error: dict[str, str] = {}
+    for _ in procs:
+        got = q.get(timeout=duration_s + 300)
+        got.pop("wall_s", None)
+        first_error.update(got.pop("first_error", {}))
+        counts.update(got)
+    if first_error:
+        counts["first_error"] = first_error  # type: ignore[assignment]
+    for p in procs:
+        p.join(30)
+    return dict(counts), _tree_cpu_s(hub_pid) - c0, time.perf_counter() - t0
+
+
+def run_size(n: int, clients: int, batch: int, duration_s: float, idle_s: float) -> dict[str, Any]:
+    ctx = mp.get_context("spawn")
+    cmd, out = ctx.Queue(), ctx.Queue()
+    with tempfile.TemporaryDirectory(prefix="echo2-bench-intake-live-") as d:
+        hub = ctx.Process(target=_hub_proc, args=(n, batch, d, cmd, out))
+        hub.start()
+        try:
+            info = out.get(timeout=1800)
+            pid = hub.pid or 0
+            c0 = _tree_cpu_s(pid)
+            time.sleep(idle_s)
+            idle_rate = (_tree_cpu_s(pid) - c0) / idle_s
+            cmd.put("lag")
+            lag_idle = out.get(timeout=60)
+            workers = min(n // 2, clients * WORKERS_PER_CLIENT)
+            parts = [list(range(k, workers, clients)) for k in range(clients)]
+            counts, cpu_r, wall_r = _phase(ctx, pid, "work", info, parts, batch, duration_s)
+            cmd.put("lag")
+            lag_r = out.get(timeout=60)
+            idle_ids = list(range(workers, min(n, workers + HEARTBEAT_IDENTITIES)))
+            hb_counts, cpu_h, wall_h = _phase(ctx, pid, "hb", info, [idle_ids[k::clients] for k in range(clients)], batch,
+                                              duration_s)
+            cmd.put("lag")
+            lag_h = out.get(timeout=60)
+            rss = _rss_mb(pid)
+        finally:
+            cmd.put("stop")
+            hub.join(60)
+            if hub.is_alive():
+                hub.kill()
+    acc = counts.get("accepted", 0)
+    hbs = hb_counts.get("heartbeats", 0)
+    return {
+        "nodes": n, "clients": clients, "batch": batch, "working_identities": workers,
+        "setup": {"admit_s": info["admit_s"], "tasks_in_flight": info["tasks_in_flight"]},
+        "idle": {"hub_cpu_ms_per_s": round(idle_rate * 1e3, 2), **lag_idle},
+        "results": {
+            "accepted": acc, "messages": counts.get("messages", 0), "wall_s": round(wall_r, 2),
+            "accepted_per_s": round(acc / wall_r, 1) if wall_r else 0.0,
+            "heartbeats": counts.get("heartbeats", 0),
+            "hub_cpu_ms_per_result": round(cpu_r * 1e3 / acc, 3) if acc else None,
+            "hub_cpu_ms_per_result_net": round((cpu_r - idle_rate * wall_r) * 1e3 / acc, 3) if acc else None,
+            "refused": {k[8:]: v for k, v in counts.items() if k.startswith("refused:")},
+            "errors": {k[7:]: v for k, v in counts.items() if k.startswith("errors:")},
+            "first_error": counts.get("first_error", {}),
+            "loop_lag_p99_ms": lag_r["loop_lag_p99_ms"], "loop_lag_max_ms": lag_r["loop_lag_max_ms"],
+            "hub_refused_by_reason": lag_r["refused"], "channel_refusals": lag_r["channel_refusals"],
+        },
+        "heartbeats": {
+            "answered": hbs, "with_task": hb_counts.get("heartbeats_with_task", 0), "wall_s": round(wall_h, 2),
+            "hub_cpu_ms_per_heartbeat": round(cpu_h * 1e3 / hbs, 3) if hbs else None,
+            "hub_cpu_ms_per_heartbeat_net": round((cpu_h - idle_rate * wall_h) * 1e3 / hbs, 3) if hbs else None,
+            "loop_lag_p99_ms": lag_h["loop_lag_p99_ms"], "loop_lag_max_ms": lag_h["loop_lag_max_ms"],
+        },
+        "hub_rss_mb": round(rss, 1),
+    }
+
+
+def run_live(args: argparse.Namespace) -> int:
+    sizes = [int(x) for x in str(args.nodes).split(",") if x.strip()]
+    rows = []
+    for n in sizes:
+        row = run_size(n, args.clients, max(1, args.batch), args.duration, args.idle)
+        rows.append(row)
+        r, h = row["results"], row["heartbeats"]
+        print(f"nodes={n:>6} clients={args.clients} batch={args.batch}: {r['accepted_per_s']} accepted results/s,"
+              f" hub CPU {r['hub_cpu_ms_per_result']} ms/result (net of idle {r['hub_cpu_ms_per_result_net']}),"
+              f" {h['hub_cpu_ms_per_heartbeat']} ms/heartbeat (net {h['hub_cpu_ms_per_heartbeat_net']});"
+              f" loop lag p99 {r['loop_lag_p99_ms']} / {h['loop_lag_p99_ms']} ms, max {r['loop_lag_max_ms']} /"
+              f" {h['loop_lag_max_ms']} ms; idle {row['idle']['hub_cpu_ms_per_s']} ms/s; RSS {row['hub_rss_mb']} MB;"
+              f" refused {r['refused']} errors {r['errors']} (admit {row['setup']['admit_s']} s)", flush=True)
+    result: dict[str, Any] = {
+        "bench": "intake", "mode": "live",
+        "measures": __doc__.split("\n\n")[0] if __doc__ else "",
+        "setup_shortcuts": ["nodes admitted in the hub's process (signed AdmissionRequests), then marked hub-timed at "
+                            f"{TIMED_RATE} rollouts/s and holding version 0", "tasks in flight per node: max(2, batch)",
+                            "the channel address handed to the clients (CHANNEL on the control plane is what a node does)",
+                            "the channel's per-IP handshake rate off (all clients dial from 127.0.0.1)",
+                            "the learner is a stand-in taking buffered rows every 0.5 s",
+                            "prompts_per_step = max(N, 256), so a small fleet's workers are not short of tasks"],
+        "small_result": {"completions": SMALL_COMPLETIONS, "tokens_each": SMALL_TOKENS},
+        "rows": rows,
+    }
+    if len(rows) >= 2:
+        a, b = rows[0]["results"], rows[-1]["results"]
+        if a["hub_cpu_ms_per_result"] and b["hub_cpu_ms_per_result"]:
+            result["ratio_result_cpu"] = round(b["hub_cpu_ms_per_result"] / a["hub_cpu_ms_per_result"], 3)
+            print(f"hub CPU per result, {rows[-1]['nodes']} / {rows[0]['nodes']} nodes: {result['ratio_result_cpu']}")
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=2))
+    return 0
