@@ -54,11 +54,12 @@ def _seed(i: int) -> bytes:
     return (b"echo2-bench-intake-live" + i.to_bytes(8, "big")).ljust(32, b"\x00")[:32]
 
 
-def _tree_cpu_s(pid: int) -> float:
-    """CPU seconds (user + system) of ``pid`` and its live children."""
+def _tree_cpu_s(pid: int, *, own: bool = False) -> float:
+    """CPU seconds (user + system) of ``pid`` and its live children (its intake workers), or of
+    ``pid`` alone with ``own``."""
     tck = os.sysconf("SC_CLK_TCK")
     total = 0.0
-    for p in os.listdir("/proc"):
+    for p in ([str(pid)] if own else os.listdir("/proc")):
         if not p.isdigit():
             continue
         try:
@@ -92,7 +93,7 @@ def bench_announce(peer: str) -> Any:
 
 # --- the hub process ----------------------------------------------------------------------------
 
-def _hub_proc(n: int, batch: int, workdir: str, cmd: Any, out: Any) -> None:
+def _hub_proc(n: int, batch: int, workdir: str, cmd: Any, out: Any, workers: int = 0) -> None:
     import logging
 
     import trio
@@ -103,7 +104,7 @@ def _hub_proc(n: int, batch: int, workdir: str, cmd: Any, out: Any) -> None:
 
     logging.getLogger("echo2").setLevel(logging.ERROR)
     cfg = HubConfig(dir=workdir, steps=10**6, prompts_per_step=max(n, 256), group_size=SMALL_COMPLETIONS, max_new_tokens=SMALL_TOKENS,
-                    staleness=1, task_deadline_s=3600.0, node_silence_s=3600.0)
+                    staleness=1, task_deadline_s=3600.0, node_silence_s=3600.0, intake_workers=workers)
     hub = Hub(cfg)
     cap = max(2, batch)
     if cap != hub.dispatcher.config.max_in_flight_per_node:  # before any node is known to it
@@ -340,14 +341,14 @@ async def _client_main(role: str, info: dict[str, Any], seeds: list[int], batch:
 # --- the orchestration ---------------------------------------------------------------------------
 
 def _phase(ctx: Any, hub_pid: int, role: str, info: dict[str, Any], parts: list[list[int]], batch: int,
-           duration_s: float) -> tuple[dict[str, Any], float, float]:
+           duration_s: float) -> tuple[dict[str, Any], float, float, float]:
     q, go = ctx.Queue(), ctx.Event()
     procs = [ctx.Process(target=_client_proc, args=(role, info, part, batch, duration_s, q, go)) for part in parts if part]
     for p in procs:
         p.start()
     for _ in procs:
         assert q.get(timeout=600) == "ready"
-    c0, t0 = _tree_cpu_s(hub_pid), time.perf_counter()
+    c0, o0, t0 = _tree_cpu_s(hub_pid), _tree_cpu_s(hub_pid, own=True), time.perf_counter()
     go.set()
     counts: Counter[str] = Counter()
     first_error: dict[str, str] = {}
@@ -360,14 +361,15 @@ def _phase(ctx: Any, hub_pid: int, role: str, info: dict[str, Any], parts: list[
         counts["first_error"] = first_error  # type: ignore[assignment]
     for p in procs:
         p.join(30)
-    return dict(counts), _tree_cpu_s(hub_pid) - c0, time.perf_counter() - t0
+    return (dict(counts), _tree_cpu_s(hub_pid) - c0, _tree_cpu_s(hub_pid, own=True) - o0,
+            time.perf_counter() - t0)
 
 
-def run_size(n: int, clients: int, batch: int, duration_s: float, idle_s: float) -> dict[str, Any]:
+def run_size(n: int, clients: int, batch: int, duration_s: float, idle_s: float, intake_workers: int = 0) -> dict[str, Any]:
     ctx = mp.get_context("spawn")
     cmd, out = ctx.Queue(), ctx.Queue()
     with tempfile.TemporaryDirectory(prefix="echo2-bench-intake-live-") as d:
-        hub = ctx.Process(target=_hub_proc, args=(n, batch, d, cmd, out))
+        hub = ctx.Process(target=_hub_proc, args=(n, batch, d, cmd, out, intake_workers))
         hub.start()
         try:
             info = out.get(timeout=1800)
@@ -379,11 +381,11 @@ def run_size(n: int, clients: int, batch: int, duration_s: float, idle_s: float)
             lag_idle = out.get(timeout=60)
             workers = min(n // 2, clients * WORKERS_PER_CLIENT)
             parts = [list(range(k, workers, clients)) for k in range(clients)]
-            counts, cpu_r, wall_r = _phase(ctx, pid, "work", info, parts, batch, duration_s)
+            counts, cpu_r, own_r, wall_r = _phase(ctx, pid, "work", info, parts, batch, duration_s)
             cmd.put("lag")
             lag_r = out.get(timeout=60)
             idle_ids = list(range(workers, min(n, workers + HEARTBEAT_IDENTITIES)))
-            hb_counts, cpu_h, wall_h = _phase(ctx, pid, "hb", info, [idle_ids[k::clients] for k in range(clients)], batch,
+            hb_counts, cpu_h, _own_h, wall_h = _phase(ctx, pid, "hb", info, [idle_ids[k::clients] for k in range(clients)], batch,
                                               duration_s)
             cmd.put("lag")
             lag_h = out.get(timeout=60)
@@ -396,7 +398,7 @@ def run_size(n: int, clients: int, batch: int, duration_s: float, idle_s: float)
     acc = counts.get("accepted", 0)
     hbs = hb_counts.get("heartbeats", 0)
     return {
-        "nodes": n, "clients": clients, "batch": batch, "working_identities": workers,
+        "nodes": n, "clients": clients, "batch": batch, "working_identities": workers, "intake_workers": intake_workers,
         "setup": {"admit_s": info["admit_s"], "tasks_in_flight": info["tasks_in_flight"]},
         "idle": {"hub_cpu_ms_per_s": round(idle_rate * 1e3, 2), **lag_idle},
         "results": {
@@ -405,6 +407,8 @@ def run_size(n: int, clients: int, batch: int, duration_s: float, idle_s: float)
             "heartbeats": counts.get("heartbeats", 0),
             "hub_cpu_ms_per_result": round(cpu_r * 1e3 / acc, 3) if acc else None,
             "hub_cpu_ms_per_result_net": round((cpu_r - idle_rate * wall_r) * 1e3 / acc, 3) if acc else None,
+            # the hub process alone, its intake workers apart (issue 20: <= 0.4x of workers 0)
+            "hub_process_cpu_ms_per_result": round(own_r * 1e3 / acc, 3) if acc else None,
             "refused": {k[8:]: v for k, v in counts.items() if k.startswith("refused:")},
             "errors": {k[7:]: v for k, v in counts.items() if k.startswith("errors:")},
             "first_error": counts.get("first_error", {}),
@@ -423,17 +427,20 @@ def run_size(n: int, clients: int, batch: int, duration_s: float, idle_s: float)
 
 def run_live(args: argparse.Namespace) -> int:
     sizes = [int(x) for x in str(args.nodes).split(",") if x.strip()]
+    worker_counts = [int(x) for x in str(getattr(args, "workers", "0")).split(",") if x.strip()] or [0]
     rows = []
     for n in sizes:
-        row = run_size(n, args.clients, max(1, args.batch), args.duration, args.idle)
-        rows.append(row)
-        r, h = row["results"], row["heartbeats"]
-        print(f"nodes={n:>6} clients={args.clients} batch={args.batch}: {r['accepted_per_s']} accepted results/s,"
-              f" hub CPU {r['hub_cpu_ms_per_result']} ms/result (net of idle {r['hub_cpu_ms_per_result_net']}),"
-              f" {h['hub_cpu_ms_per_heartbeat']} ms/heartbeat (net {h['hub_cpu_ms_per_heartbeat_net']});"
-              f" loop lag p99 {r['loop_lag_p99_ms']} / {h['loop_lag_p99_ms']} ms, max {r['loop_lag_max_ms']} /"
-              f" {h['loop_lag_max_ms']} ms; idle {row['idle']['hub_cpu_ms_per_s']} ms/s; RSS {row['hub_rss_mb']} MB;"
-              f" refused {r['refused']} errors {r['errors']} (admit {row['setup']['admit_s']} s)", flush=True)
+        for w in worker_counts:
+            row = run_size(n, args.clients, max(1, args.batch), args.duration, args.idle, w)
+            rows.append(row)
+            r, h = row["results"], row["heartbeats"]
+            print(f"nodes={n:>6} clients={args.clients} batch={args.batch} workers={w}: {r['accepted_per_s']} accepted results/s,"
+                  f" hub CPU {r['hub_cpu_ms_per_result']} ms/result (net of idle {r['hub_cpu_ms_per_result_net']};"
+                  f" hub process alone {r['hub_process_cpu_ms_per_result']}),"
+                  f" {h['hub_cpu_ms_per_heartbeat']} ms/heartbeat (net {h['hub_cpu_ms_per_heartbeat_net']});"
+                  f" loop lag p99 {r['loop_lag_p99_ms']} / {h['loop_lag_p99_ms']} ms, max {r['loop_lag_max_ms']} /"
+                  f" {h['loop_lag_max_ms']} ms; idle {row['idle']['hub_cpu_ms_per_s']} ms/s; RSS {row['hub_rss_mb']} MB;"
+                  f" refused {r['refused']} errors {r['errors']} (admit {row['setup']['admit_s']} s)", flush=True)
     result: dict[str, Any] = {
         "bench": "intake", "mode": "live",
         "measures": __doc__.split("\n\n")[0] if __doc__ else "",
@@ -446,11 +453,19 @@ def run_live(args: argparse.Namespace) -> int:
         "small_result": {"completions": SMALL_COMPLETIONS, "tokens_each": SMALL_TOKENS},
         "rows": rows,
     }
-    if len(rows) >= 2:
-        a, b = rows[0]["results"], rows[-1]["results"]
+    by_w = {(row["nodes"], row["intake_workers"]): row["results"] for row in rows}
+    for (n, w), res in by_w.items():
+        base = by_w.get((n, 0))
+        if w and base and base["hub_process_cpu_ms_per_result"] and res["hub_process_cpu_ms_per_result"]:
+            ratio = round(res["hub_process_cpu_ms_per_result"] / base["hub_process_cpu_ms_per_result"], 3)
+            result.setdefault("ratio_hub_process_cpu_by_workers", {})[f"{n}:{w}/0"] = ratio
+            print(f"hub process CPU per result at {n} nodes, workers {w} / 0: {ratio}")
+    rows0 = [row for row in rows if row["intake_workers"] == worker_counts[0]]
+    if len(rows0) >= 2:
+        a, b = rows0[0]["results"], rows0[-1]["results"]
         if a["hub_cpu_ms_per_result"] and b["hub_cpu_ms_per_result"]:
             result["ratio_result_cpu"] = round(b["hub_cpu_ms_per_result"] / a["hub_cpu_ms_per_result"], 3)
-            print(f"hub CPU per result, {rows[-1]['nodes']} / {rows[0]['nodes']} nodes: {result['ratio_result_cpu']}")
+            print(f"hub CPU per result, {rows0[-1]['nodes']} / {rows0[0]['nodes']} nodes: {result['ratio_result_cpu']}")
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=2))
     return 0
