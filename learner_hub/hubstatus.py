@@ -85,7 +85,8 @@ def hub_status(hub: Hub, *, with_nodes: bool = True) -> dict[str, Any]:
         "eval": hub.evaluator.report(),
         # replay state by pool: admitted peers' never shares room with strangers' (A3)
         "replay_guards": {
-            "admitted": {"entries": len(hub.replay), "max_entries": hub.replay.per_peer * hub.replay.max_peers},
+            "admitted": {"entries": len(hub.replay), "max_entries": hub.replay.per_peer * hub.replay.max_peers,
+                         "evicted_own": hub.replay.evicted()},  # a fast signer's own oldest nonces (replay.py)
             "gossip": {"entries": len(hub.gossip_replay), "max_entries": hub.gossip_replay.per_peer * hub.gossip_replay.max_peers},
             "unadmitted_admission": {"entries": len(hub.admission_replay), "max_entries": hub.admission_replay.max_entries},
         },

@@ -52,7 +52,7 @@ from echo2.protocol.errors import ProtocolError
 from .config import ConfigError, HubConfig
 from .intake import Intake
 from .intake_check import Findings, error_from_wire, examine
-from .intake_worker import CheckContext, Reply, WorkerSpec
+from .intake_worker import CheckContext, Reply, WorkerSpec, recv_exact
 from .recipe import Recipe
 from .rewards import Scored
 
@@ -127,12 +127,12 @@ class _Worker:
         """The worker's ready frame, read before any trio wrapper exists (hub start-up)."""
         self.sock.settimeout(timeout)
         try:
-            head = _recv_exact_sync(self.sock, _ONE.size)
+            head = recv_exact(self.sock, _ONE.size)
             if head is None:
                 raise ConfigError(f"intake worker {self.index} exited while loading (exit code {self.proc.wait(5)})")
             (n,) = _ONE.unpack(head)
             if n:
-                msg = (_recv_exact_sync(self.sock, n) or b"").decode(errors="replace")
+                msg = (recv_exact(self.sock, n) or b"").decode(errors="replace")
                 raise ConfigError(f"intake worker {self.index} could not load the tokenizer or reward functions: {msg}")
         except TimeoutError as exc:
             raise ConfigError(f"intake worker {self.index} not ready after {timeout:.0f} s") from exc
@@ -157,17 +157,6 @@ class _Worker:
                 return
             except subprocess.TimeoutExpired:
                 continue
-
-
-def _recv_exact_sync(sock: socket.socket, n: int) -> bytes | None:
-    buf, got = bytearray(n), 0
-    view = memoryview(buf)
-    while got < n:
-        k = sock.recv_into(view[got:])
-        if k == 0:
-            return None
-        got += k
-    return bytes(buf)
 
 
 # The socket is driven with trio's low-level waits, not a trio SocketStream: per small result the

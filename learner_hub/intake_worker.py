@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import logging
-import math
 import os
 import pickle
 import socket
@@ -51,6 +50,7 @@ from .rewards import (
     batch_of,
     check_output,
     combine,
+    failures_of,
     func_name,
     reward_kwargs,
 )
@@ -150,12 +150,7 @@ class SyncRewards:
                 outputs.append(exc)
             except Exception as exc:  # the operator's code: any exception is its failure, not the hub's
                 outputs.append(FuncFailure("raised", f"raised {type(exc).__name__}: {exc}"))
-        failures = []
-        for name, out in zip(self.names, outputs, strict=True):
-            if isinstance(out, FuncFailure):
-                failures.append((name, out.reason, str(out)))
-            elif any(v is not None and not math.isfinite(v) for v in out):
-                failures.append((name, "nonfinite", "returned NaN or inf"))
+        failures = failures_of(self.names, outputs)
         return combine(outputs, self.weights, n, self.names), tuple(failures)
 
 
@@ -200,7 +195,8 @@ def _without_texts(f: Findings) -> Findings:
     return f._replace(texts=None)
 
 
-def _recv_exact(sock: socket.socket, n: int) -> bytes | None:
+def recv_exact(sock: socket.socket, n: int) -> bytes | None:
+    """``n`` bytes from a blocking socket, or None when it closed first (both ends of the pool)."""
     buf = bytearray(n)
     view, got = memoryview(buf), 0
     while got < n:
@@ -222,11 +218,11 @@ def main(sock: socket.socket, spec: WorkerSpec) -> None:
         return
     sock.sendall(_ONE.pack(0))
     while True:
-        head = _recv_exact(sock, _LEN.size)
+        head = recv_exact(sock, _LEN.size)
         if head is None:
             break  # the hub closed its end (stop, or it died): never outlive it
         hlen, flen = _LEN.unpack(head)
-        header, raw = _recv_exact(sock, hlen), _recv_exact(sock, flen)
+        header, raw = recv_exact(sock, hlen), recv_exact(sock, flen)
         if header is None or raw is None:
             break
         req: CheckContext = pickle.loads(header)  # from the hub process, our own code: trusted
@@ -240,8 +236,8 @@ def main(sock: socket.socket, spec: WorkerSpec) -> None:
 def run(fd: int) -> None:
     """The worker process's entry (``python -c``): read the spec frame, then serve."""
     sock = socket.socket(fileno=fd)
-    head = _recv_exact(sock, _ONE.size)
-    body = _recv_exact(sock, _ONE.unpack(head)[0]) if head is not None else None
+    head = recv_exact(sock, _ONE.size)
+    body = recv_exact(sock, _ONE.unpack(head)[0]) if head is not None else None
     if body is None:
         os._exit(0)  # the hub went away before sending the spec
     spec, path = pickle.loads(body)  # from the hub process: trusted

@@ -269,6 +269,17 @@ def apply_scores(groups: Sequence[Group], scored: Scored) -> tuple[list[Group], 
 
 
 # --- the runner: threads, timeout, counts ----------------------------------------------------------
+def failures_of(names: Sequence[str], outputs: Sequence[Any]) -> list[tuple[str, str, str]]:
+    """(function, reason, message) for each reward function that failed or returned NaN/inf."""
+    failures = []
+    for name, out in zip(names, outputs, strict=True):
+        if isinstance(out, FuncFailure):
+            failures.append((name, out.reason, str(out)))
+        elif any(v is not None and not math.isfinite(v) for v in out):
+            failures.append((name, "nonfinite", "returned NaN or inf"))
+    return failures
+
+
 @dataclass
 class RewardRunner:
     """Scores batches with the recipe's reward functions; one per hub."""
@@ -315,12 +326,7 @@ class RewardRunner:
         async with trio.open_nursery() as nursery:
             for i in range(len(self.funcs)):
                 nursery.start_soon(one, i)
-        failures = []
-        for name, out in zip(self.names, outputs, strict=True):
-            if isinstance(out, FuncFailure):
-                failures.append((name, out.reason, str(out)))
-            elif any(v is not None and not math.isfinite(v) for v in out):
-                failures.append((name, "nonfinite", "returned NaN or inf"))
+        failures = failures_of(self.names, outputs)
         res = combine(outputs, self.weights, n, self.names)
         self.count(res, failures)
         return res

@@ -39,13 +39,17 @@ def test_peer_replay_keeps_each_signer_apart() -> None:
     p = PeerReplay(window_s=600.0, per_peer=3, max_peers=10)
     for i in range(3):
         p.check_and_add("greedy", nonce(i), NOW + 60, NOW)
-    with pytest.raises(Replay, match="cache full"):
-        p.check_and_add("greedy", nonce(3), NOW + 60, NOW)  # over its own cap: refused alone
-    p.check_and_add("honest", nonce(3), NOW + 60, NOW)
+    p.check_and_add("honest", nonce(3), NOW + 59, NOW)
+    # over its own cap: the signer's own soonest-expiring entry is forgotten, nobody is refused
+    p.check_and_add("greedy", nonce(3), NOW + 70, NOW)
+    assert p.evicted() == 1 and len(p) == 4
     with pytest.raises(Replay, match="already seen"):
-        p.check_and_add("honest", nonce(3), NOW + 60, NOW + 1)
-    p.check_and_add("greedy", nonce(3), NOW + 200, NOW + 61)  # its old entries expired
-    assert len(p) == 2 and p.peers() == 2 and p.window_s == 600.0
+        p.check_and_add("greedy", nonce(3), NOW + 70, NOW + 1)
+    with pytest.raises(Replay, match="already seen"):
+        p.check_and_add("honest", nonce(3), NOW + 59, NOW + 1)  # another signer's entry is untouched
+    for i in range(4, 1000):  # a signer sending fast for long never locks itself out
+        p.check_and_add("greedy", nonce(i), NOW + 60 + i / 100, NOW + i / 100)
+    assert len(p) == 4 and p.peers() == 2 and p.window_s == 600.0
 
 
 def test_a3_peer_replay_is_bounded_and_sheds_the_idlest_signer() -> None:
