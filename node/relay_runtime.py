@@ -30,13 +30,10 @@ routed around: its stripes are pulled from peers that advertised them, or from t
 store holds every chunk of the version, ``on_holds`` is called and a signed ``HoldsVersion`` goes
 to the hub on the data plane.
 
-Fault injection (tests and benches only): ``RelayConfig.corrupt_sends`` flips one byte of every
-chunk this node sends, as a malicious relay would.
-
-The link queues, sender and receive loops and the relay's action dispatch are the shared
-:class:`echo2.protocol.net.relaydriver.RelayDriver` (the hub runs the same one); this module is the
-node's part: manifests and plans, verifying and storing chunks, pulls and reports. A process
-entry point for benches: :mod:`echo2.node.relay_main`.
+Link queues, sender, receive loops and action dispatch are the shared
+:class:`echo2.protocol.net.relaydriver.RelayDriver` (the hub runs it too); chunks sent come from
+:mod:`.relay_source`, punched links from :mod:`.punch`; bench entry point :mod:`.relay_main`.
+Tests and benches only: ``RelayConfig.corrupt_sends`` flips one byte of every chunk sent.
 """
 
 from __future__ import annotations
@@ -212,12 +209,18 @@ class RelayNode:
         finally:
             self._punching.discard(edge.peer)
         self.punches.append(res)
+        await self._tell_hub(encode_request(REQ_PUNCH, v=version, peer=edge.peer, ok=res.ok, s=res.seconds), "punch report")
+
+    async def _tell_hub(self, request: bytes, what: str, level: int = logging.DEBUG) -> bool:
+        """Send one request frame to the hub on its data link; False when there is no link."""
         hub = self.links.get(self.hub_peer)
-        if hub is not None:
-            try:
-                await hub.conn.send_request(encode_request(REQ_PUNCH, v=version, peer=edge.peer, ok=res.ok, s=res.seconds))
-            except Echo2Error as exc:
-                log.debug("punch report to the hub failed: %s", exc)
+        if hub is None:
+            return False
+        try:
+            await hub.conn.send_request(request)
+        except Echo2Error as exc:
+            log.log(level, "%s to the hub failed: %s", what, exc)
+        return True
 
     async def _serve(self, conn: DataConnection) -> None:
         if not await self.gate.admit(conn.peer_id):
@@ -577,25 +580,13 @@ class RelayNode:
                 b.full_asked_at = now
                 self._spawn(self._request_full, b.version, tuple(sorted(b.need_full)))
             if b.bytes_sent != b.stats_sent and now - last_stats > 0.5:
-                hub = self.links.get(self.hub_peer)
-                if hub is not None:
-                    b.stats_sent = b.bytes_sent
-                    last_stats = now
-                    try:
-                        await hub.conn.send_request(
-                            encode_request(REQ_STATS, v=b.version, sent=b.bytes_sent, recv=b.bytes_received)
-                        )
-                    except Echo2Error:
-                        pass
+                sent = b.bytes_sent
+                if await self._tell_hub(encode_request(REQ_STATS, v=b.version, sent=sent, recv=b.bytes_received), "stats"):
+                    b.stats_sent, last_stats = sent, now
 
     async def _request_full(self, version: int, indices: tuple[int, ...]) -> None:
-        link = self.links.get(self.hub_peer)
-        if link is None:
-            return
-        try:
-            await link.conn.send_request(encode_request(REQ_FULL, m=ChunkRequest(version=version, indices=list(indices)).to_wire()))
-        except Echo2Error as exc:
-            log.info("full request to the hub failed: %s", exc)
+        m = ChunkRequest(version=version, indices=list(indices)).to_wire()
+        await self._tell_hub(encode_request(REQ_FULL, m=m), "full request", logging.INFO)
 
 
 async def _await(x: Awaitable[None]) -> None:
