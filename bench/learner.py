@@ -38,6 +38,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--mixed-precision", choices=["no", "bf16"], default="no", help="FSDP2 bf16 parameters (procs > 1)")
     p.add_argument("--activation-checkpointing", action="store_true")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--device", default="auto", help='"auto" (a CUDA GPU when there is one), "cpu" or "cuda": where the '
+                   "one-process learner trains; N ranks take a GPU each (as hub.toml's learner_device)")
     p.add_argument("--json", type=Path, default=None, help="write the figures here")
 
 
@@ -72,11 +74,19 @@ def run(args: argparse.Namespace) -> int:
 
     from echo2.learner_hub.distributed import ShardedLearner, local_bytes, optimizer_bytes
     from echo2.learner_hub.learner import Learner
+    from echo2.learner_hub.training import resolve_device
     from echo2.models import spec as modelspec
     from echo2.models.lora import ADAPTER_PREFIX
     from echo2.models.policy import load_policy
 
     procs = [int(x) for x in args.procs.split(",") if x.strip()]
+    from echo2.learner_hub.config import ConfigError
+
+    try:
+        device = resolve_device(args.device)
+    except ConfigError as e:
+        print(e)
+        return 2
     if args.lora and procs != [1]:
         # the hub refuses lora with learner_procs > 1 (config.check_lora): nothing to measure there
         print(f"--lora: a sharded LoRA learner is not supported yet; measuring procs 1 only (asked: {args.procs})")
@@ -94,7 +104,8 @@ def run(args: argparse.Namespace) -> int:
     kw: dict[str, Any] = {"lr": 1e-5 if args.model != "tiny" else 3e-4, "micro_batch_tokens": args.micro_batch_tokens,
                           "publish_dtype": torch.bfloat16}
     n_params = sum(p.numel() for p in model.parameters())
-    report: dict[str, Any] = {"model": args.model, "parameters": n_params, "steps": args.steps,
+    report: dict[str, Any] = {"model": args.model, "parameters": n_params, "steps": args.steps, "device": device,
+                              "gpu": torch.cuda.get_device_name(0) if device.startswith("cuda") else None,
                               "rows_per_step": args.prompts * args.group, "configs": []}
     if args.lora:
         from echo2.learner_hub.config import LoraSpec
@@ -117,13 +128,15 @@ def run(args: argparse.Namespace) -> int:
 
     one_ref: dict[str, Any] | None = None
     for n in procs:
+        if device.startswith("cuda"):
+            torch.cuda.reset_peak_memory_stats()
         t_start = time.perf_counter()
         learner: Any
         if n == 1:
-            learner = Measured(copy.deepcopy(model), tok, **kw)
+            learner = Measured(copy.deepcopy(model), tok, device=device, **kw)
         else:
             learner = ShardedLearner(copy.deepcopy(model), tok, mc, procs=n, mixed_precision=args.mixed_precision,
-                                     activation_checkpointing=False, **kw)
+                                     activation_checkpointing=False, device=device.split(":")[0], **kw)
         t_ready = time.perf_counter() - t_start
         try:
             times, losses, norms, tokens = [], [], [], 0
@@ -131,6 +144,8 @@ def run(args: argparse.Namespace) -> int:
             for i, groups in enumerate(batches):
                 t0 = time.perf_counter()
                 st = learner.step(groups)
+                if device.startswith("cuda"):
+                    torch.cuda.synchronize()  # the step's kernels, not their launch, are what it costs
                 times.append(time.perf_counter() - t0)
                 losses.append(st.loss)
                 norms.append(st.grad_norm)
@@ -164,6 +179,8 @@ def run(args: argparse.Namespace) -> int:
             "params_grads_optimizer_bytes_max_rank": max(m["params"] + m["grads"] + m["optimizer"] for m in mem),
             "publish_s": round(pub_s, 4), "publish_bytes": pub_bytes,
         }
+        if device.startswith("cuda") and n == 1:
+            cfg["cuda_peak_allocated_bytes"] = int(torch.cuda.max_memory_allocated())
         if args.lora:
             cfg["adapter_bytes"] = changing
             cfg["adapter_vs_publish"] = round(changing / max(pub_bytes, 1), 5)

@@ -131,6 +131,9 @@ class HubConfig:
     seed: Annotated[int, _doc("seed of the model init and the prompt stream")] = 0
     # the learner on several processes (issue 17): FSDP2 ranks, gloo on CPU, NCCL on GPUs
     learner_procs: Annotated[int, _doc("learner ranks: 1 = one process; N > 1 = N FSDP2 ranks", ge=1, le=1024)] = 1
+    learner_device: Annotated[str, _doc('where the learner trains: "auto" (a CUDA GPU when there is one, else the CPU), '
+                                         '"cpu", "cuda" or "cuda:N" (one process); sharded ranks take one GPU each',
+                                         pattern=r"^(auto|cpu|cuda(:[0-9]{1,3})?)$")] = "auto"
     learner_local_procs: Annotated[int, _doc("of learner_procs, the ranks the hub starts on this machine (0 = all); the rest join "
                                               "from other machines with torchrun (echo2.learner_hub.rank)", ge=0, le=1024)] = 0
     learner_master_addr: Annotated[str, _doc("rendezvous address of the learner ranks (torch.distributed)")] = "127.0.0.1"

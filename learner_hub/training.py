@@ -70,7 +70,7 @@ def build_learner(cfg: HubConfig) -> tuple[Learner | ShardedLearner, Any, str, d
         # a LoRA policy (issue 17 item 3) is trained by the one-process learner only, for now
         if cfg.lora.enabled:
             raise ConfigError("lora with learner_procs > 1 is not supported yet: set learner_procs = 1 for a LoRA policy")
-        device = "cuda" if torch.cuda.is_available() else "cpu"
+        device = resolve_device(cfg.learner_device).split(":")[0]  # each rank takes its own GPU
         here = cfg.learner_local_procs or cfg.learner_procs
         if device == "cuda" and here > torch.cuda.device_count():
             # NCCL refuses two ranks on one GPU
@@ -104,8 +104,27 @@ def build_learner(cfg: HubConfig) -> tuple[Learner | ShardedLearner, Any, str, d
     elif cfg.kl_coef > 0:
         # The KL reference is the initial policy, frozen.
         ref_model = copy.deepcopy(model).eval().requires_grad_(False)
-    learner = Learner(model, tok, ref_model=ref_model, **kw)
+    device = resolve_device(cfg.learner_device)
+    learner = Learner(model, tok, ref_model=ref_model, device=device, **kw)
+    log.info("learner on %s", device)
     return learner, tok, model_config, artifacts
+
+
+def resolve_device(want: str) -> str:
+    """``learner_device`` as a torch device string: "auto" is the first CUDA GPU when torch sees
+    one (a hub on a GPU machine trains there without being told), else the CPU; an explicit
+    CUDA device that is not there is a configuration error, not a silent fall back to the CPU."""
+    import torch
+
+    if want == "auto":
+        return "cuda:0" if torch.cuda.is_available() else "cpu"
+    if want.startswith("cuda"):
+        index = int(want.split(":")[1]) if ":" in want else 0
+        if not torch.cuda.is_available() or index >= torch.cuda.device_count():
+            seen = torch.cuda.device_count() if torch.cuda.is_available() else 0
+            raise ConfigError(f"learner_device = {want!r}, but torch sees {seen} CUDA device(s) here")
+        return f"cuda:{index}"
+    return "cpu"
 
 
 def learner_memory(cfg: HubConfig) -> Any:
@@ -126,9 +145,7 @@ def learner_memory(cfg: HubConfig) -> Any:
     )
     log.info("%s", mem.describe())
     if cfg.memory_check:
-        import torch
-
-        device = "cuda:0" if torch.cuda.is_available() else "cpu"  # the device build_learner trains on
+        device = resolve_device(cfg.learner_device)  # the device build_learner trains on
         warning = memory.check(
             mem, memory.available_bytes(device, local_ranks=cfg.learner_local_procs or ranks),
             what=f"each of the {ranks} learner rank(s)",

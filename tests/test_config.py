@@ -90,3 +90,21 @@ def test_hub_run_with_a_bad_config_says_why_without_a_traceback(tmp_path: Path,
     p.write_text("[hub]\n")
     assert main(["hub", "run", "--config", str(p), "--steps", "-3"]) == 1
     assert "steps = -3: must be an integer >= 0" in capsys.readouterr().err
+
+
+def test_learner_device_is_checked_and_resolved(tmp_path: Path) -> None:
+    import torch
+
+    from echo2.learner_hub.training import resolve_device
+
+    p = tmp_path / "hub.toml"
+    p.write_text('[hub]\nlearner_device = "tpu"\n')
+    with pytest.raises(ConfigError, match="learner_device"):
+        load_config(p)
+    p.write_text('[hub]\nlearner_device = "cuda:1"\n')
+    assert load_config(p).learner_device == "cuda:1"
+    assert resolve_device("cpu") == "cpu"
+    assert resolve_device("auto") == ("cuda:0" if torch.cuda.is_available() else "cpu")
+    # an explicit GPU that is not there is refused, never a silent fall back to the CPU
+    with pytest.raises(ConfigError, match="CUDA device"):
+        resolve_device(f"cuda:{torch.cuda.device_count()}")
