@@ -79,6 +79,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "coordinates (hub nat_punch; node/punch.py); a failed punch falls back to a reachable parent")
     parser.add_argument("--isolate-homes", dest="isolate_homes", action="store_true",
                         help="with --nat: home routers drop traffic to other homes (every punch fails: the fallback)")
+    parser.add_argument("--upnp", action="store_true",
+                        help="with --nat: each home router runs miniupnpd (UPnP IGD + NAT-PMP) and the nodes ask it to "
+                             "forward their data port (node --port-map auto, node/portmap.py)")
     parser.add_argument("--netns", action="store_true",
                         help="real runs in network namespaces (root): hub and nodes each on a host whose upload the "
                              "kernel's tbf shapes at --link-MBps, no token bucket (bench/netns.py)")
@@ -120,6 +123,8 @@ def _spawn_nodes(n: int, hub_addr: str, hub_peer: str, link_MBps: float, root: s
             cmd.append("--corrupt")
         if punch:
             cmd.append("--punch")
+        if net is not None and net.upnp:
+            cmd += ["--port-map", "auto"]
         with open(os.path.join(d, "log.txt"), "wb") as logf:
             if net is None:
                 procs.append(subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=logf))
@@ -240,6 +245,10 @@ async def _real_mode(mode: str, n: int, mbytes: float, link_MBps: float, hub_MBp
                 while len(sender.hello) < n:
                     await sender.changed.wait()
             await trio.sleep(0.5)
+            if net is not None and net.upnp:  # until every home's node told its mapped address (bounded)
+                with trio.move_on_after(15):
+                    while any(h.data_addr.startswith("192.168.") for h in sender.hello.values()):
+                        await sender.changed.wait()
             reachable: dict[str, bool] = {}
             if net is not None:
                 from echo2.learner_hub.broadcast_book import PeerInfo
@@ -267,6 +276,8 @@ async def _real_mode(mode: str, n: int, mbytes: float, link_MBps: float, hub_MBp
             await trio.sleep(1.0)  # late stats reports
             m = sender.version_metrics(1)
             peer_sent = dict(sender.metrics[1].peer_sent) if 1 in sender.metrics else {}
+            home_ips = {net.public_ip(j) for j in net.nat} if net is not None else set()
+            homes = {p for p, lk in sender.driver.links.items() if lk.conn.remote_ip() in home_ips}
             nursery.cancel_scope.cancel()
     finally:
         _stop_nodes(procs, net)
@@ -292,6 +303,10 @@ async def _real_mode(mode: str, n: int, mbytes: float, link_MBps: float, hub_MBp
         "tbf_burst": net.burst if net is not None else None,
         "nat_nodes": sum(1 for v in reachable.values() if not v),
         "nat_sent_bytes": sum(int(peer_sent.get(p, 0)) for p, v in reachable.items() if not v),
+        # nodes in homes behind NAT routers, reachable or not (--upnp: their routers forward a port)
+        "upnp": bool(net is not None and net.upnp),
+        "home_nodes": len(homes),
+        "home_sent_bytes": sum(int(peer_sent.get(p, 0)) for p in homes),
         # CPU of the node processes and the hub from publication until the last node held the
         # version, per GB (10**9 bytes) of chunk bytes relayed (sent by the hub and by peers).
         # Kernel work outside these processes (softirqs, tbf) is not in it.
@@ -333,7 +348,7 @@ def run_real(args: argparse.Namespace) -> list[dict[str, object]]:
                     homes = frozenset(range(n + 1 - args.nat, n + 1))  # the last --nat nodes
                     burst = {"burst": args.tbf_burst} if getattr(args, "tbf_burst", None) else {}
                     with Net(n + 1, args.link_MBps, nat=homes, isolate_homes=getattr(args, "isolate_homes", False),
-                             **burst) as net, net.inside(0):
+                             upnp=bool(getattr(args, "upnp", False)), **burst) as net, net.inside(0):
                         row = trio.run(_real_mode, mode, n, args.mbytes, args.link_MBps, hub_MBps, chunk, root,
                                        180.0, net, bool(getattr(args, "punch", False)))
                 else:
@@ -418,6 +433,8 @@ def run(args: argparse.Namespace) -> int:
         raise SystemExit("--nat-share and --punch-p in [0, 1], --churn in [0, 1)")
     if args.nat and not (getattr(args, "netns", False) and 0 < args.nat <= min(args.nodes)):
         raise SystemExit("--nat K needs --netns and 0 < K <= --nodes")
+    if getattr(args, "upnp", False) and not args.nat:
+        raise SystemExit("--upnp needs --netns --nat K")
     if getattr(args, "punch", False) and not args.nat:
         raise SystemExit("--punch needs --netns --nat K")
     if args.simulate and _wide_area(args):
@@ -433,6 +450,10 @@ def run(args: argparse.Namespace) -> int:
         if "cpu_s_per_GB" in r:
             print(f"{'':<10} first {r['first_seconds']:.2f}s; CPU {r['cpu_seconds']:.2f}s (hub {r['hub_cpu_seconds']:.2f}s) = "
                   f"{r['cpu_s_per_GB']:.1f} CPU-s per GB relayed; load average {r['loadavg_1m']:.1f}")
+        if r.get("upnp"):
+            home_n = max(1, int(r["home_nodes"]))  # type: ignore[call-overload]
+            print(f"{'':<10} UPnP/NAT-PMP: {r['home_nodes']} nodes in homes ({r['nat_nodes']} not reachable after mapping) "
+                  f"uploaded {int(r['home_sent_bytes']) / 1e6:.1f} MB, {int(r['home_sent_bytes']) / home_n / 1e6:.1f} MB each")  # type: ignore[call-overload]
         if "ratio_fluid" in r:
             print(f"{'':<10} fluid bound {r['fluid_seconds']:.2f}s, ratio to it {r['ratio_fluid']:.3f}; "
                   f"{r['nat_nodes']} NATed uploaded {int(r['nat_sent_bytes']) / 1e6:.1f} MB; "  # type: ignore[call-overload]

@@ -15,7 +15,15 @@ own, as a volunteer's home router does::
                              opened (conntrack established/related)
     namespace <prefix>h<i> : eth0 = 192.168.<i>.2/24, default route via the router, tbf on eth0
 
-so two NATed hosts traverse two NATs to reach each other. Linux MASQUERADE keeps a connection's
+so two NATed hosts traverse two NATs to reach each other. With ``upnp``, each home router also
+runs miniupnpd (Debian package miniupnpd-nftables: UPnP IGD and NAT-PMP, nftables backend),
+listening on lan0 with wan0 as its external interface, its config written here
+(:func:`miniupnpd_config`), stopped with the rest; a mapping it grants is a DNAT rule in its own
+table, and the router's filter lets DNATed connections in. miniupnpd refuses to map when its
+external address is private or reserved ("private/reserved address 10.213.0.2 is not suitable
+for external IP", and 198.18.0.0/15 alike): with ``upnp`` the bridge's subnet is
+:data:`UPNP_SUBNET`, a global unicast range that exists only inside the namespaces made here
+(no route leads out of them). Linux MASQUERADE keeps a connection's
 source port when it is free (measured here, ../shared/BRIEF.md section 11), which is what TCP
 simultaneous open relies on. Needs ``nft`` (Debian package nftables) for homes.
 
@@ -41,12 +49,14 @@ import os
 import shutil
 import signal
 import subprocess
+import tempfile
 import uuid
 from collections.abc import Iterator, Sequence
 from types import FrameType
 from typing import Any
 
 DEFAULT_SUBNET = "10.213.0"
+UPNP_SUBNET = "11.213.0"  # see the module doc: miniupnpd maps only behind a public-looking address
 #: Depth of each host's token bucket. Why 128 KB and not tbf's usual 32 KB: tbf splits in software
 #: every GSO packet larger than its burst, and the kernel's TCP hands the qdisc packets of up to
 #: 64 KB (68 KB on the wire with a header per segment); split, each travels the veth, the bridge
@@ -95,6 +105,31 @@ def available() -> str | None:
     return None
 
 
+#: miniupnpd's own table (its nftables backend adds rules to these chains, creates none), as
+#: Debian's /etc/miniupnpd/nft_init.sh makes it, with our names
+MINIUPNPD_TABLE = "\n".join([
+    "table inet miniupnpd {",
+    *(line for c in ("miniupnpd", "prerouting_miniupnpd", "postrouting_miniupnpd") for line in (f"  chain {c} {{", "  }")),
+    *(line for name, kind, hook, prio, target in (
+        ("forward", "filter", "forward", "-10", "miniupnpd"),
+        ("prerouting", "nat", "prerouting", "dstnat", "prerouting_miniupnpd"),
+        ("postrouting", "nat", "postrouting", "srcnat", "postrouting_miniupnpd"))
+      for line in (f"  chain {name} {{", f"    type {kind} hook {hook} priority {prio}; policy accept;",
+                   f"    jump {target}", "  }")),
+    "}", ""])
+
+
+def miniupnpd_config(i: int) -> str:
+    """miniupnpd.conf for home ``i``: UPnP IGD and NAT-PMP on lan0, wan0 external; secure mode and
+    permission rules: a host of the home may map ports >= 1024 to itself only."""
+    return "\n".join([
+        "ext_ifname=wan0", "listening_ip=lan0", "http_port=0", "enable_natpmp=yes", "enable_upnp=yes",
+        "secure_mode=yes", "system_uptime=no", f"uuid=6563686f-0002-4000-8000-{i:012d}",
+        "upnp_table_name=miniupnpd", "upnp_nat_table_name=miniupnpd", "upnp_forward_chain=miniupnpd",
+        "upnp_nat_chain=prerouting_miniupnpd", "upnp_nat_postrouting_chain=postrouting_miniupnpd",
+        f"allow 1024-65535 192.168.{i}.0/24 1024-65535", "deny 0-65535 0.0.0.0/0 0-65535", ""])
+
+
 def _setns(path: str) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:
@@ -116,7 +151,8 @@ class Net:
 
     def __init__(self, n_hosts: int, rate_MBps: float, *, prefix: str | None = None, subnet: str = DEFAULT_SUBNET,
                  burst: str = DEFAULT_BURST, latency: str = "50ms", mtu: int = 1500,
-                 nat: frozenset[int] | set[int] = frozenset(), isolate_homes: bool = False) -> None:
+                 nat: frozenset[int] | set[int] = frozenset(), isolate_homes: bool = False,
+                 upnp: bool = False) -> None:
         if not 1 <= n_hosts <= 250:
             raise ValueError("n_hosts must be in 1..250")
         if rate_MBps <= 0:
@@ -127,6 +163,12 @@ class Net:
         if nat and not shutil.which("nft"):
             raise RuntimeError("homes behind NAT need nft (Debian package nftables)")
         self.nat = frozenset(nat)
+        if upnp and not (nat and shutil.which("miniupnpd")):
+            raise RuntimeError("upnp needs homes (nat) and miniupnpd (Debian package miniupnpd-nftables)")
+        self.upnp = upnp
+        if upnp and subnet == DEFAULT_SUBNET:
+            subnet = UPNP_SUBNET
+        self._tmp: str | None = None  # miniupnpd's config and log files
         # routers drop what their home sends to another home (a firewall, or a carrier-grade NAT
         # that no hole gets through): hole punching between homes fails, tests its fallback
         self.isolate_homes = isolate_homes
@@ -198,21 +240,50 @@ class Net:
             "table inet filter {",
             *(line for hook in ("forward", "input") for line in (
                 f"  chain {hook} {{", f"    type filter hook {hook} priority 0; policy accept;",
-                '    iifname "wan0" ct state established,related accept', '    iifname "wan0" drop', "  }")),
+                '    iifname "wan0" ct state established,related accept',
+                *(['    iifname "wan0" ct status dnat accept'] if self.upnp and hook == "forward" else []),
+                '    iifname "wan0" drop', "  }")),
             "}", ""])
         others = sorted(self.public_ip(j) for j in self.nat if j != i)
         if self.isolate_homes and others:
             rules += "\n".join([
                 "table inet isolate {", "  chain forward {", "    type filter hook forward priority -1; policy accept;",
                 f'    oifname "wan0" ip daddr {{ {", ".join(others)} }} drop', "  }", "}", ""])
+        if self.upnp:
+            rules += MINIUPNPD_TABLE
         subprocess.run(["ip", "netns", "exec", r, "nft", "-f", "-"], input=rules, text=True, check=True,
                        capture_output=True, timeout=30)
+        if self.upnp:
+            self._miniupnpd(i)
         _sh(["ip", "netns", "exec", h, "tc", "qdisc", "replace", "dev", "eth0", "root", "tbf",
              "rate", f"{rate_bit}bit", "burst", self.burst, "latency", self.latency])
+
+    def _miniupnpd(self, i: int) -> None:
+        if self._tmp is None:
+            self._tmp = tempfile.mkdtemp(prefix=f"{self.prefix}upnp")
+        conf = os.path.join(self._tmp, f"r{i}.conf")
+        with open(conf, "w") as f:
+            f.write(miniupnpd_config(i))
+        with open(os.path.join(self._tmp, f"r{i}.log"), "wb") as logf:
+            p: subprocess.Popen[Any] = subprocess.Popen(
+                ["ip", "netns", "exec", self.router(i), "miniupnpd", "-d", "-f", conf, "-P", conf + ".pid"],
+                stdout=subprocess.DEVNULL, stderr=logf, start_new_session=True)
+        self._procs.append(p)
+
+    def miniupnpd_log(self, i: int) -> str:
+        """What home ``i``'s miniupnpd logged (for a failing test's message)."""
+        try:
+            with open(os.path.join(self._tmp or "", f"r{i}.log"), errors="replace") as f:
+                return f.read()
+        except OSError:
+            return ""
 
     def teardown(self) -> None:
         for p in list(self._procs):
             self.kill(p)
+        if self._tmp is not None:
+            shutil.rmtree(self._tmp, ignore_errors=True)
+            self._tmp = None
         if not self._up:
             return
         errors = []

@@ -16,6 +16,7 @@ import trio
 from echo2.keyfile import load_or_create_identity
 
 from .chunkstore import ChunkStore
+from .portmap import MODES, PortMapper
 from .relay_runtime import RelayNode
 from .relay_state import RelayConfig
 
@@ -34,6 +35,8 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--stall-s", dest="stall_s", type=float, default=RelayConfig.stall_timeout_s)
     p.add_argument("--punch", action="store_true",
                    help="hole punching: share the listen port, leave from it to the hub, punch to NAT-bound plan peers")
+    p.add_argument("--port-map", dest="port_map", choices=MODES, default="off",
+                   help="ask the home router to forward the data port (node.portmap); off here: a bench's choice")
     p.add_argument("--corrupt", action="store_true", help="fault injection: corrupt every chunk sent")
     p.add_argument("--log-level", default="WARNING")
     return p.parse_args(argv)
@@ -52,6 +55,10 @@ def main(argv: list[str] | None = None) -> int:
         node = RelayNode(identity, store, args.hub_peer, args.hub_addr, cfg, host=args.host)
         async with trio.open_nursery() as nursery:
             await nursery.start(node.run)
+            port = node.server.port
+            mapper = PortMapper(args.port_map, lambda: [port], args.hub_addr.rpartition(":")[0].strip("[]"), host=args.host,
+                                on_change=lambda: node.set_public_addr(mapper.external_addr(port)))
+            await nursery.start(mapper.run)
             print(f"READY {identity.peer_id} {node.data_addr}", flush=True)
             with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as sigs:
                 async for _ in sigs:

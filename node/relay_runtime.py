@@ -148,6 +148,7 @@ class RelayNode:
         self._nursery: trio.Nursery | None = None
         self.holds_event = trio.Event()
         self.bytes_in = self.bytes_out = 0  # chunk bytes received and sent, all versions
+        self.public_addr, self._hub_lport = "", 0  # node.portmap's mapped data port, said in the hello
 
     @property
     def data_addr(self) -> str:
@@ -182,13 +183,24 @@ class RelayNode:
                 )
                 backoff.reset()
                 async with conn:
-                    await conn.send_request(encode_request(REQ_HELLO, addr=self.data_addr, up=float(self.cfg.announce_MBps or self.cfg.upload_MBps), lport=lport))
+                    self._hub_lport = lport
+                    await conn.send_request(self._hello())
                     await self._link_main(conn)
                 delay = backoff.failed()  # a link that ended is retried soon, then less often
             except (Echo2Error, OSError) as exc:
                 delay = backoff.failed()
                 log.warning("hub data link lost (%s); reconnecting in %.1fs", exc, delay)
             await trio.sleep(delay)
+
+    def _hello(self) -> bytes:  # the hub believes a mapped address only once its dial-back reached it
+        return encode_request(REQ_HELLO, addr=self.public_addr or self.data_addr,
+                              up=float(self.cfg.announce_MBps or self.cfg.upload_MBps), lport=self._hub_lport)
+
+    async def set_public_addr(self, addr: str) -> None:
+        """A port mapping (node.portmap) came or went: tell the hub again (a second hello)."""
+        if addr != self.public_addr:
+            self.public_addr = addr
+            await self._tell_hub(self._hello(), "hello", logging.INFO)
 
     async def _hub_stream(self) -> tuple[trio.SocketStream | None, int]:
         if not self.cfg.punch:
