@@ -28,6 +28,10 @@ def register(parser: argparse.ArgumentParser) -> None:
     run.add_argument("--max-upload-MBps", type=float, default=0.0, help="cap on what this node uploads (0 = unlimited)")
     run.add_argument("--listen-host", default="127.0.0.1")
     run.add_argument("--listen-port", type=int, default=0)
+    run.add_argument("--port-map", dest="port_map", default="auto", choices=["auto", "upnp", "natpmp", "off"],
+                     help="ask the home router (NAT-PMP, then UPnP IGD) to forward the node's ports while it runs, so "
+                          "that it can relay to others as a reachable parent (default auto: only behind a private "
+                          "address, with --listen-host other than loopback; deleted on exit; off: never ask)")
     run.add_argument("--join-token", default=os.environ.get("ECHO2_JOIN_TOKEN", ""),
                      help="join token printed by `echo2 hub token` (or set ECHO2_JOIN_TOKEN; visible in ps otherwise)")
     run.add_argument("--join-token-file", type=Path, default=None, help="read the join token from this file")
@@ -93,6 +97,7 @@ def _run(args: argparse.Namespace) -> int:
         memory_budget_MiB=args.memory_budget_MiB,
         model_hub_offline=not args.allow_model_hub,
         json_events=args.json_events,
+        port_map=args.port_map,
         prefs=pref_overrides(args, args.data_dir),
     )
     return run_node(cfg)

@@ -27,6 +27,8 @@ class NodeConfig:
     model_hub_offline: bool = True
     # heartbeats, holds and results on one long-lived channel to the hub when it offers one (hublink.py)
     channel: bool = True
+    # ask the home router to forward our ports (UPnP IGD / NAT-PMP, node/portmap.py): auto|upnp|natpmp|off
+    port_map: str = "auto"
     json_events: bool = False  # progress as JSON lines on stdout (`node run --json`), not log lines
     # computing preferences given as flags (prefs.Prefs field -> value); they override DATA_DIR/node.toml
     prefs: dict[str, Any] = field(default_factory=dict)

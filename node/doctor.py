@@ -3,7 +3,8 @@
 Every check says pass / fail / info / skip, what it saw, and for a failure the fix. Local
 checks need nothing; the network checks use a real libp2p host with the node's identity (or a
 throw-away one before the first run) and the hub's probe service (``/echo2/probe/1.0.0``):
-hub reachable (connect + ping), our listen port reachable from the hub (it dials back), clock
+hub reachable (connect + ping), the home router's port mapping (node.portmap, held during the
+probe), our listen port reachable from the hub (it dials back), clock
 skew against the hub, bandwidth over the data plane. Every network step is bounded by
 ``timeout``. Exit code 1 when any check fails.
 """
@@ -158,6 +159,20 @@ def check_identity(data_dir: Path) -> tuple[Check, Any]:
 
 # --- network checks -------------------------------------------------------------------------------
 
+PORTMAP_WAIT_S = 15.0  # NAT-PMP gives up after 1.75 s, UPnP discovery after 1 s plus its HTTP calls
+
+
+def port_map_check(mapper: Any) -> Check:
+    """What the home router did with our port (node.portmap): mapped, not asked and why, or no
+    router answered (then the fix)."""
+    if mapper.mappings:
+        return Check("port mapping", PASS, f"{mapper.status} (deleted when the doctor ends)")
+    fix = ""
+    if mapper.status.startswith("no port mapping"):
+        fix = ("enable UPnP or NAT-PMP on your router, or forward the port by hand (with a fixed --listen-port); "
+               "without it a node behind NAT relays only by reverse connections and hole punching")
+    return Check("port mapping", INFO, mapper.status, fix)
+
 
 HUB_FIX = "check the multiaddr in the hub's hub.addrs (it must end in /p2p/<peer ID>) and that no firewall blocks it"
 
@@ -171,6 +186,7 @@ async def network_checks(
     listen_port: int,
     bandwidth: bool,
     announce_fields: dict[str, Any],
+    port_map: str = "auto",
 ) -> list[Check]:
     import trio
 
@@ -182,8 +198,9 @@ async def network_checks(
     from echo2.protocol.net.control import ControlHost
 
     from .measure import BandwidthNotOffered, measure_bandwidth, probe_hub
+    from .portmap import PortMapper, mapped
 
-    names = ("hub reachable", "listen port reachable", "clock skew", "bandwidth")
+    names = ("hub reachable", "port mapping", "listen port reachable", "clock skew", "bandwidth")
     checks: list[Check] = []
 
     def skip_rest(why: str) -> list[Check]:
@@ -208,66 +225,74 @@ async def network_checks(
                 why = str(exc) or f"no answer within {timeout:g} s"
                 checks.append(Check("hub reachable", FAIL, f"cannot reach {hub}: {why}", HUB_FIX))
                 return skip_rest("hub not reachable")
-            announce = Announce(
-                peer_id=ident.peer_id,
-                software_version=__version__,
-                listen_addrs=list(host.addrs)[:16],
-                data_addr="",
-                reachable=False,
-                versions_held=[],
-                **announce_fields,
-            )
-            probe_timeout = 4 * timeout + 5.0
-            try:
-                with trio.fail_after(probe_timeout + 1.0):
-                    result = await probe_hub(host, hub_peer, hub_peer, ident, announce, timeout_s=probe_timeout)
-            except RemoteError as exc:
-                if exc.code == "expired":
-                    checks.append(Check("clock skew", FAIL, f"the hub refused our probe: {exc}", "enable NTP: timedatectl set-ntp true"))
-                return skip_rest(f"the hub did not answer the probe: [{exc.code}] {exc}")
-            except (Echo2Error, trio.TooSlowError) as exc:
-                return skip_rest(f"the hub did not answer the probe (no probe service?): {exc or 'timeout'}")
-            port = host.listen_addr[1]
-            if result.reachable:
-                checks.append(Check("listen port reachable", PASS, f"the hub dialled back port {port}: {result.reason}"))
-            else:
-                checks.append(
-                    Check(
-                        "listen port reachable",
-                        FAIL,
-                        f"the hub could not dial back port {port}: {result.reason}",
-                        f"open TCP port {port} in your firewall or forward it on your router; "
-                        "use --listen-host 0.0.0.0 (or an address the hub can reach) and a fixed --listen-port",
-                    )
+            # the router's port mapping (node.portmap), held while the hub dials back: the probe then
+            # sees this machine as a node run with the same --port-map would be
+            mapper = PortMapper(port_map, lambda: [host.listen_addr[1]], host.remote_ip(hub_peer) or "", host=listen_host)
+            async with mapped(mapper):
+                with trio.move_on_after(PORTMAP_WAIT_S):
+                    await mapper.settled.wait()
+                checks.append(port_map_check(mapper))
+                announce = Announce(
+                    peer_id=ident.peer_id,
+                    software_version=__version__,
+                    listen_addrs=(mapper.multiaddrs(host.listen_addr[1], ident.peer_id) + list(host.addrs))[:16],
+                    data_addr="",
+                    reachable=False,
+                    versions_held=[],
+                    **announce_fields,
                 )
-            skew = result.clock_skew_s
-            detail = f"hub clock {'ahead of' if skew >= 0 else 'behind'} ours by {abs(skew):.3f} s (± {result.skew_uncertainty_s:.3f} s)"
-            if abs(skew) < MAX_CLOCK_SKEW_S:
-                checks.append(Check("clock skew", PASS, detail))
-            else:
-                checks.append(Check("clock skew", FAIL, detail, "enable NTP: timedatectl set-ntp true (or chronyd/ntpd)"))
-            if not bandwidth:
-                checks.append(Check("bandwidth", SKIP, "not measured (--no-bandwidth)"))
-            elif not result.probe_data_addr:
-                checks.append(Check("bandwidth", INFO, "the hub runs no bandwidth responder"))
-            else:
+                probe_timeout = 4 * timeout + 5.0
                 try:
-                    with trio.fail_after(4 * timeout + 10.0):
-                        bw = await measure_bandwidth(result.probe_data_addr, ident, hub_peer, timeout_s=max(timeout, 5.0))
-                    checks.append(
-                        Check("bandwidth", PASS, f"upload {bw.upload_MBps:.1f} MB/s, download {bw.download_MBps:.1f} MB/s to the hub")
-                    )
-                except BandwidthNotOffered as exc:
-                    checks.append(Check("bandwidth", INFO, f"{exc} (run the doctor again once admitted)"))
+                    with trio.fail_after(probe_timeout + 1.0):
+                        result = await probe_hub(host, hub_peer, hub_peer, ident, announce, timeout_s=probe_timeout)
+                except RemoteError as exc:
+                    if exc.code == "expired":
+                        checks.append(Check("clock skew", FAIL, f"the hub refused our probe: {exc}", "enable NTP: timedatectl set-ntp true"))
+                    return skip_rest(f"the hub did not answer the probe: [{exc.code}] {exc}")
                 except (Echo2Error, trio.TooSlowError) as exc:
+                    return skip_rest(f"the hub did not answer the probe (no probe service?): {exc or 'timeout'}")
+                port = host.listen_addr[1]
+                if result.reachable:
+                    checks.append(Check("listen port reachable", PASS, f"the hub dialled back port {port}: {result.reason}"))
+                else:
                     checks.append(
                         Check(
-                            "bandwidth",
+                            "listen port reachable",
                             FAIL,
-                            f"data plane {result.probe_data_addr}: {exc or 'timeout'}",
-                            "allow outgoing TCP to the hub's data-plane port (firewall)",
+                            f"the hub could not dial back port {port}: {result.reason}",
+                            f"open TCP port {port} in your firewall or forward it on your router; "
+                            "use --listen-host 0.0.0.0 (or an address the hub can reach) and a fixed --listen-port",
                         )
                     )
+                skew = result.clock_skew_s
+                detail = f"hub clock {'ahead of' if skew >= 0 else 'behind'} ours by {abs(skew):.3f} s (± {result.skew_uncertainty_s:.3f} s)"
+                if abs(skew) < MAX_CLOCK_SKEW_S:
+                    checks.append(Check("clock skew", PASS, detail))
+                else:
+                    checks.append(Check("clock skew", FAIL, detail, "enable NTP: timedatectl set-ntp true (or chronyd/ntpd)"))
+                if not bandwidth:
+                    checks.append(Check("bandwidth", SKIP, "not measured (--no-bandwidth)"))
+                elif not result.probe_data_addr:
+                    checks.append(Check("bandwidth", INFO, "the hub runs no bandwidth responder"))
+                else:
+                    try:
+                        with trio.fail_after(4 * timeout + 10.0):
+                            bw = await measure_bandwidth(result.probe_data_addr, ident, hub_peer, timeout_s=max(timeout, 5.0))
+                        checks.append(
+                            Check("bandwidth", PASS, f"upload {bw.upload_MBps:.1f} MB/s, download {bw.download_MBps:.1f} MB/s to the hub")
+                        )
+                    except BandwidthNotOffered as exc:
+                        checks.append(Check("bandwidth", INFO, f"{exc} (run the doctor again once admitted)"))
+                    except (Echo2Error, trio.TooSlowError) as exc:
+                        checks.append(
+                            Check(
+                                "bandwidth",
+                                FAIL,
+                                f"data plane {result.probe_data_addr}: {exc or 'timeout'}",
+                                "allow outgoing TCP to the hub's data-plane port (firewall)",
+                            )
+                        )
+
     except Echo2Error as exc:
         checks.append(
             Check("listen port reachable", FAIL, f"cannot listen on {listen_host}:{listen_port}: {exc}", "choose another --listen-port (is a node already running?)")
@@ -286,6 +311,7 @@ async def run_doctor_async(
     listen_port: int = 0,
     model_config: str | None = None,
     bandwidth: bool = True,
+    port_map: str = "auto",
     price_usd_per_hour: float = 0.0,
 ) -> list[Check]:
     from .hardware import probe
@@ -321,6 +347,7 @@ async def run_doctor_async(
         listen_host=listen_host,
         listen_port=listen_port,
         bandwidth=bandwidth,
+        port_map=port_map,
         announce_fields=fields,
     )
     return checks
@@ -369,6 +396,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--timeout", type=float, default=3.0, help="seconds for each network step (default 3)")
     p.add_argument("--listen-host", default="127.0.0.1", help="the address your node will listen on")
     p.add_argument("--listen-port", type=int, default=0, help="the port your node will listen on (0 = any)")
+    p.add_argument("--port-map", dest="port_map", default="auto", choices=["auto", "upnp", "natpmp", "off"],
+                   help="ask the home router to forward the listen port during the check, as `node run` does")
     p.add_argument("--model-config", default=None, help="the hub's model config.json (default DIR/model_config.json)")
     p.add_argument("--no-bandwidth", action="store_true", help="skip the bandwidth measurement")
     p.add_argument("--json", action="store_true", help="machine-readable output")
@@ -384,6 +413,7 @@ def cmd(args: argparse.Namespace) -> int:
         listen_port=args.listen_port,
         model_config=args.model_config,
         bandwidth=not args.no_bandwidth,
+        port_map=args.port_map,
     )
     print(checks_json(checks) if args.json else render_table(checks))
     return exit_code(checks)

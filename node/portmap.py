@@ -29,7 +29,8 @@ from __future__ import annotations
 import ipaddress
 import logging
 import socket
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Any, Protocol, TypeVar
 
@@ -70,10 +71,12 @@ class Gateway(Protocol):
 # --- where a mapping can help (pure) ------------------------------------------------------------
 
 
-def skip_reason(mode: str, local_ip: str | None) -> str | None:
+def skip_reason(mode: str, local_ip: str | None, listen_host: str = "") -> str | None:
     """None when a mapping is worth asking for, else why not."""
     if mode == "off":
         return "port mapping off (--port-map off)"
+    if listen_host.startswith("127.") or listen_host in ("::1", "localhost"):
+        return f"listening on {listen_host} only: a router cannot forward to it (--listen-host 0.0.0.0)"
     if not local_ip:
         return "no route to the hub known"
     try:
@@ -241,6 +244,12 @@ class PortMapper:
         m = self.mappings.get(internal_port)
         return f"{m.external_ip}:{m.external_port}" if m is not None and m.external_ip else ""
 
+    def multiaddrs(self, internal_port: int, peer_id: str) -> list[str]:
+        """``[/ip4/EXT/tcp/PORT/p2p/ID]`` for a mapped libp2p port (an Announce's listen_addrs: the
+        hub dials that port back at the IP it sees us at), else []."""
+        ip, _, port = self.external_addr(internal_port).rpartition(":")
+        return [f"/ip4/{ip}/tcp/{port}/p2p/{peer_id}"] if ip else []
+
     def poke(self) -> None:
         """The ports may have changed (a restarted data plane): reconcile now."""
         self._poke.set()
@@ -249,7 +258,7 @@ class PortMapper:
         task_status.started()
         try:
             local = await _in_thread(lambda: local_ip_toward(self.hub_ip))
-            why = skip_reason(self.mode, local)
+            why = skip_reason(self.mode, local, self.host)
             if why is not None:
                 self.status = why
                 log.info("port mapping not asked: %s", why)
@@ -261,7 +270,12 @@ class PortMapper:
                 log.info("%s (the node relays by reverse connection or hole punching instead)", self.status)
                 return
             while True:
-                await self._reconcile()
+                try:
+                    await self._reconcile()
+                except Exception as exc:  # a bug here must not take the node down: it only stays unmapped
+                    log.exception("port mapping failed")
+                    self.status = f"port mapping failed: {exc!r}"
+                    return
                 self.settled.set()
                 wake = min((m.renew_at for m in self.mappings.values()), default=trio.current_time() + RETRY_S)
                 with trio.move_on_at(min(wake, trio.current_time() + RETRY_S)):
@@ -332,6 +346,17 @@ class PortMapper:
             raise OSError(str(exc)) from exc
 
 
+@asynccontextmanager
+async def mapped(mapper: PortMapper) -> AsyncIterator[PortMapper]:
+    """Run ``mapper`` for the duration of the block (its mappings are deleted at the end)."""
+    async with trio.open_nursery() as nursery:
+        await nursery.start(mapper.run)
+        try:
+            yield mapper
+        finally:
+            nursery.cancel_scope.cancel()
+
+
 async def _in_thread(fn: Callable[[], T]) -> T:
     """``fn()`` in a worker thread, abandoned (left to finish alone) if the caller is cancelled:
     every router call is bounded by its own timeout, but a cancelled node must not wait on it."""
@@ -346,5 +371,5 @@ def _public(ip: str) -> bool:
         return False
 
 
-__all__ = ["MODES", "Mapping", "NatPmpGateway", "PortMapper", "UpnpGateway", "open_gateway", "parse_route_table",
+__all__ = ["MODES", "Mapping", "NatPmpGateway", "PortMapper", "UpnpGateway", "mapped", "open_gateway", "parse_route_table",
            "skip_reason"]

@@ -55,6 +55,7 @@ from .config import NodeConfig, NodeStats, hub_peer_id
 from .hardware import probe
 from .hublink import HubLink
 from .pausing import Pauser
+from .portmap import PortMapper
 from .prefs import Prefs, memory_cap_MiB, threads_for
 from .progress import NodeSteps, Progress
 from .receipts import ReceiptBook
@@ -99,6 +100,7 @@ class Node(TaskLoop):
         self._addrs: list[str] = []
         self.measured: dict[str, float] = {"tokens_per_s": 0.0, "rollouts_per_s": 0.0, "upload_MBps": 0.0, "download_MBps": 0.0}
         self.reachable = False
+        self.portmap: PortMapper | None = None  # asks the home router to forward our ports (issue 18)
         self._measured_version = -1
         self._pending_holds: HoldsVersion | None = None
         # reports of peers that relayed us corrupt chunks, sent to the hub by the heartbeat loop
@@ -146,8 +148,8 @@ class Node(TaskLoop):
             upload_MBps=self.measured["upload_MBps"],
             download_MBps=self.measured["download_MBps"],
             price_usd_per_hour=self.cfg.price_usd_per_hour,
-            listen_addrs=list(host.addrs)[:16],
-            data_addr=self.relay.data_addr if self.relay is not None else "",
+            listen_addrs=(self._mapped_listen_addrs(host) + list(host.addrs))[:16],
+            data_addr=(self.relay.public_addr or self.relay.data_addr) if self.relay is not None else "",
             reachable=self.reachable,
             versions_held=[self.held.version] if self.held else [],
             max_upload_MBps=self.cfg.max_upload_MBps,
@@ -199,6 +201,9 @@ class Node(TaskLoop):
                 nursery.start_soon(self.link.run)
                 nursery.start_soon(self.loop_lag.run)
                 await nursery.start(self._policy_downlink)
+                self.portmap = PortMapper(self.cfg.port_map, lambda: self._listen_ports(host), host.remote_ip(self.hub_peer) or "",
+                                          host=self.cfg.listen_host, on_change=self._port_map_changed)
+                nursery.start_soon(self.portmap.run)
                 nursery.start_soon(self._measure_after_admissions, host)
                 nursery.start_soon(self._heartbeat, host)
                 nursery.start_soon(self._worker, host, nursery.cancel_scope)
@@ -250,10 +255,28 @@ class Node(TaskLoop):
         log.info("hub link: reachable=%s rtt %.1f ms, up %.1f MB/s, down %.1f MB/s", res.reachable, res.rtt_s * 1e3,
                  self.measured["upload_MBps"], self.measured["download_MBps"])
 
+    def _listen_ports(self, host: ControlHost) -> list[int]:
+        ports = [self.relay.server.port] if self.relay is not None else []
+        try:
+            return [host.listen_addr[1], *ports]
+        except Echo2Error:  # no TCP listener (yet)
+            return ports
+
+    def _mapped_listen_addrs(self, host: ControlHost) -> list[str]:
+        ports = self._listen_ports(host)
+        return self.portmap.multiaddrs(ports[0], self.peer_id) if self.portmap is not None and ports else []
+
+    async def _port_map_changed(self) -> None:
+        if self.relay is not None and self.portmap is not None:
+            await self.relay.set_public_addr(self.portmap.external_addr(self.relay.server.port))
+
     async def _measure_after_admissions(self, host: ControlHost) -> None:
         # After admission (the hub measures admitted nodes only), with the data plane up (so the
         # hub's dial-back can prove it), and again after each re-admission (a restarted hub knows
         # nothing of us): what the hub measures is what its broadcast planner trusts (A10, A12).
+        if self.portmap is not None:  # measured after the router mapped our ports (or would not)
+            with trio.move_on_after(15):
+                await self.portmap.settled.wait()
         while True:
             admitted = self._admitted
             await self._measure_links(host)
@@ -320,6 +343,8 @@ class Node(TaskLoop):
         await trio.lowlevel.checkpoint()
         async with trio.open_nursery() as nursery:
             await nursery.start(relay.run)
+            if self.portmap is not None:
+                self.portmap.poke()  # a restarted relay listens on another port: map that one
             task_status.started()
 
     async def _on_relay_holds(self, info: Any) -> None:

@@ -62,6 +62,8 @@ def test_all_checks_pass_against_a_real_hub(tmp_path: Path) -> None:
             assert got[name].status == doctor.PASS, table
         assert got["gpu"].status in (doctor.PASS, doctor.INFO)
         assert "dialled back" in got["listen port reachable"].detail
+        # a node on the hub's machine (loopback) asks no router for a mapping, and says why
+        assert got["port mapping"].status == doctor.INFO and "127.0.0.1 only" in got["port mapping"].detail, table
         assert "MB/s" in got["bandwidth"].detail
         assert doctor.exit_code(checks) == 0 and "all checks passed" in table
         assert svc.probes == 1

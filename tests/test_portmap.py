@@ -76,4 +76,6 @@ def test_a_node_asks_only_where_a_mapping_can_help() -> None:
     assert skip_reason("upnp", "11.213.0.5") is None  # asked for by name: tried
     assert "off" in (skip_reason("off", "192.168.1.2") or "")
     assert skip_reason("auto", None) is not None
+    assert "listening on 127.0.0.1" in (skip_reason("auto", "192.168.1.2", "127.0.0.1") or "")  # the node's default
+    assert skip_reason("auto", "192.168.1.2", "0.0.0.0") is None
     assert "IPv6" in (skip_reason("auto", "fd00::2") or "")
