@@ -57,7 +57,6 @@ def _connects(net: netns.Net, addr: tuple[str, int]) -> bool:
             return False
 
 
-@pytest.mark.ci  # about 6 s here
 def test_home_node_maps_its_port_by_natpmp_and_by_upnp_and_removes_it() -> None:
     with netns.Net(3, 8.0, nat={1, 2}, upnp=True) as net:
         prefix = net.prefix
@@ -110,3 +109,57 @@ def test_mapped_home_nodes_are_dialled_back_and_relay_as_plain_parents(tmp_path:
     assert row["nat_nodes"] == 0  # the hub dialled every home back at its mapped port
     assert row["home_sent_bytes"] >= 0.3 * 8e6 * 2  # home nodes relayed
     assert row["seconds"] >= 0.9 * row["ideal_seconds"]
+
+
+# A probe-only hub (the hub's real probe service: it dials a node back at the IP it sees it at),
+# in the hub's namespace; prints its multiaddr, serves until a line on stdin.
+HUB = r"""
+import sys, trio
+from echo2.learner_hub import probe_service as hubprobe
+from echo2.protocol.identity import Identity
+from echo2.protocol.net.control import ControlHost
+async def main():
+    me = Identity.generate()
+    async with ControlHost(me, listen_host=sys.argv[1], dial_timeout_s=3) as hub:
+        svc = hubprobe.ProbeService(me, control_host=hub)
+        hub.set_handler(hubprobe.PROBE, svc.handle_control, max_request=hubprobe.MAX_PROBE_REQUEST)
+        print(hub.addrs[0], flush=True)
+        await trio.to_thread.run_sync(sys.stdin.readline)
+trio.run(main)
+"""
+
+
+@pytest.mark.slow  # 57 s here under load (two doctor runs, each importing torch): not in CI's selection
+def test_doctor_in_a_home_maps_its_port_and_the_hub_dials_it_back(tmp_path: Path) -> None:
+    """``echo2 node doctor`` in a home whose router offers NAT-PMP/UPnP: its "port mapping" line
+    names the mapping, and the hub's probe service dials the listen port back through the router;
+    with ``--port-map off`` the same doctor is told the port is not reachable (the NAT drops it)."""
+    with netns.Net(2, 8.0, nat={1}, upnp=True) as net:
+        hub = subprocess.Popen(["ip", "netns", "exec", net.ns(0), sys.executable, "-c", HUB, net.ip(0)],
+                               stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        try:
+            assert hub.stdout is not None and hub.stdin is not None
+            addr = hub.stdout.readline().strip()
+            assert addr.startswith(f"/ip4/{net.ip(0)}/tcp/"), hub.stderr.read() if hub.stderr else ""
+            got = {}
+            for mode in ("auto", "off"):
+                run = subprocess.run(
+                    ["ip", "netns", "exec", net.ns(1), sys.executable, "-m", "echo2", "node", "doctor", "--hub", addr,
+                     "--data-dir", str(tmp_path / mode), "--engine", "transformers", "--listen-host", "0.0.0.0",
+                     "--no-bandwidth", "--port-map", mode, "--json"],
+                    capture_output=True, text=True, timeout=120)
+                got[mode] = {c["name"]: c for c in json.loads(run.stdout)["checks"]}
+            hub.stdin.write("quit\n")
+            hub.stdin.flush()
+        finally:
+            if hub.poll() is None:
+                try:
+                    hub.wait(timeout=10)
+                except subprocess.TimeoutExpired:
+                    hub.kill()
+                    hub.wait()
+        on, off = got["auto"], got["off"]
+        assert on["port mapping"]["status"] == "pass" and net.public_ip(1) in on["port mapping"]["detail"], on
+        assert on["listen port reachable"]["status"] == "pass", on["listen port reachable"]
+        assert off["port mapping"]["status"] == "info" and "off" in off["port mapping"]["detail"]
+        assert off["listen port reachable"]["status"] == "fail", off["listen port reachable"]
