@@ -79,3 +79,30 @@ def test_a_node_asks_only_where_a_mapping_can_help() -> None:
     assert "listening on 127.0.0.1" in (skip_reason("auto", "192.168.1.2", "127.0.0.1") or "")  # the node's default
     assert skip_reason("auto", "192.168.1.2", "0.0.0.0") is None
     assert "IPv6" in (skip_reason("auto", "fd00::2") or "")
+
+
+def test_random_and_mutated_replies_raise_only_protocol_errors() -> None:
+    """Whatever a LAN host sends to our NAT-PMP socket: a decoded reply or an Echo2Error, never
+    another exception (seeded, 20,000 inputs)."""
+    import random
+
+    from echo2.protocol.errors import Echo2Error
+
+    rng = random.Random(18)
+    seeds = [struct.pack("!BBHIHHI", 0, 130, 0, 1, 7000, 7000, 60), bytes.fromhex("0080 0000 00000001 0b0d0002")]
+    ok = 0
+    for _ in range(20_000):
+        if rng.random() < 0.5:
+            data = bytearray(rng.choice(seeds))
+            for _ in range(rng.randint(1, 3)):
+                data[rng.randrange(len(data))] = rng.randrange(256)
+            data = data[: rng.randint(0, len(data) + 2)]
+        else:
+            data = bytearray(rng.randbytes(rng.randint(0, 24)))
+        for parse in (natpmp.parse_external, lambda d: natpmp.parse_map(d, 7000)):
+            try:
+                parse(bytes(data))
+                ok += 1
+            except Echo2Error:
+                pass
+    assert ok > 0  # some mutations stay valid replies (the fuzz reached the decoders' end)
