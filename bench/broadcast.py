@@ -278,6 +278,7 @@ async def _real_mode(mode: str, n: int, mbytes: float, link_MBps: float, hub_MBp
             peer_sent = dict(sender.metrics[1].peer_sent) if 1 in sender.metrics else {}
             home_ips = {net.public_ip(j) for j in net.nat} if net is not None else set()
             homes = {p for p, lk in sender.driver.links.items() if lk.conn.remote_ip() in home_ips}
+            per_node = _per_node(sender)
             nursery.cancel_scope.cancel()
     finally:
         _stop_nodes(procs, net)
@@ -320,7 +321,30 @@ async def _real_mode(mode: str, n: int, mbytes: float, link_MBps: float, hub_MBp
         "punch_planned": int(m.get("punch_planned", 0)),
         "punched": int(m.get("punched", 0)),
         "punch_fallbacks": int(m.get("punch_fallbacks", 0)),
+        "per_node": per_node,
     }
+
+
+def _per_node(sender: Any) -> list[dict[str, object]]:
+    """Each node's finish (seconds after publication) with its place in the plan: its parent and
+    depth per stripe and its children count where it is interior, slowest first, to see whether
+    the last node is always under the same kind of relay."""
+    m = sender.metrics.get(1)
+    cur = getattr(sender, "cur", None)
+    if m is None:
+        return []
+    plan = cur.plan if cur is not None else None
+    short = {p: f"n{i}" for i, p in enumerate(sorted(m.holds))}
+    short[getattr(plan, "hub", "")] = "hub"
+    out = []
+    for peer, t in sorted(m.holds.items(), key=lambda kv: -kv[1]):
+        row: dict[str, object] = {"node": short[peer], "seconds": round(t, 3), "sent_MB": round(m.peer_sent.get(peer, 0) / 1e6, 1)}
+        if plan is not None:
+            row["parents"] = [short.get(plan.parent[s].get(peer, ""), "?") for s in range(plan.stripes)]
+            row["depth"] = [plan.depth(s).get(peer, -1) for s in range(plan.stripes)]
+            row["children"] = [len(plan.children[s].get(peer, [])) for s in range(plan.stripes)]
+        out.append(row)
+    return out
 
 
 def run_real(args: argparse.Namespace) -> list[dict[str, object]]:
@@ -454,6 +478,8 @@ def run(args: argparse.Namespace) -> int:
             home_n = max(1, int(r["home_nodes"]))  # type: ignore[call-overload]
             print(f"{'':<10} UPnP/NAT-PMP: {r['home_nodes']} nodes in homes ({r['nat_nodes']} not reachable after mapping) "
                   f"uploaded {int(r['home_sent_bytes']) / 1e6:.1f} MB, {int(r['home_sent_bytes']) / home_n / 1e6:.1f} MB each")  # type: ignore[call-overload]
+        for pn in r.get("per_node", []):  # type: ignore[attr-defined]
+            print(f"{'':<10}   {pn}")
         if "ratio_fluid" in r:
             print(f"{'':<10} fluid bound {r['fluid_seconds']:.2f}s, ratio to it {r['ratio_fluid']:.3f}; "
                   f"{r['nat_nodes']} NATed uploaded {int(r['nat_sent_bytes']) / 1e6:.1f} MB; "  # type: ignore[call-overload]

@@ -382,6 +382,9 @@ class PipelinedSender(HubSide):
     async def _watch(self, link: RelayLink) -> None:
         while True:
             await trio.sleep(self.progress_timeout_s / 4)
+            cur = self.cur
+            if cur is not None:  # a child held for a sibling that stalled since goes on
+                self.driver.act(cur.relay.on_tick(trio.current_time()))
             self._check_progress(link)
             if link.peer in self.challenges.suspects:
                 self._challenge(link.peer)

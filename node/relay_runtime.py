@@ -584,8 +584,7 @@ class RelayNode:
             if b is None:
                 continue
             now = trio.current_time()
-            if len(b.relay.have) < len(b.manifest.chunks):
-                self._act(b, b.relay.on_tick(now))
+            self._act(b, b.relay.on_tick(now))  # stall pulls while chunks are missing; held children
             if len(b.relay.have) != b.have_sent and (now - b.have_at >= self.cfg.have_interval_s or b.relay.complete_sent):
                 await self._send_have_all()
             if b.need_full and now - b.full_asked_at > self.cfg.request_timeout_s:

@@ -10,6 +10,15 @@ Rules:
 - cut-through: chunk ``i`` is queued for each child of stripe ``i % S`` the moment it is verified
   (never before: a relay forwards only verified bytes), in verification order; at most ``window``
   chunks are outstanding per child so that a slow child does not pile data into the transport;
+- siblings share the upload evenly (``lead``): a child is given its next chunk only while no busy
+  sibling (one we still owe chunks) has more than ``lead`` more outstanding than it, per stripe it
+  takes from us. Why: on a link shaped by a FIFO queue (tbf) two TCP flows from one relay split its
+  upload unevenly (bench --netns N = 8: one child 0.5 s behind its sibling at the end), and a
+  child relay fed below its stripe rate leaves its own upload idle, a loss its subtree never makes
+  up (every upload of the plan is in use). A sibling that acknowledged nothing for
+  ``sibling_stall_s``, that is more than ``hold_max`` chunks behind (slower than its stripe: its
+  own stall pull is its remedy), or that a repaired plan gave us with a backlog (until it caught
+  up), holds nobody;
 - a child that advertised a chunk (ChunkHave) or acknowledged it is never pushed it (again); an
   explicit request for a chunk it has not advertised is served even so (the push was lost);
 - a stripe whose parent has made no progress for ``stall_timeout_s`` while chunks of that stripe
@@ -147,15 +156,26 @@ class Relay:
         stall_timeout_s: float = 5.0,
         request_timeout_s: float = 10.0,
         window: int = 2,
+        lead: int = 1,
+        hold_max: int = 8,
+        sibling_stall_s: float = 1.0,
     ) -> None:
         if window < 1:
             raise ValueError("window must be >= 1")
+        if not 0 <= lead <= hold_max:
+            raise ValueError("need 0 <= lead <= hold_max")
         self.me = me
         self.n = len(chunk_hashes)
         self.hashes = list(chunk_hashes)
         self.stall_timeout_s = stall_timeout_s
         self.request_timeout_s = request_timeout_s
         self.window = window
+        self.lead, self.hold_max, self.sibling_stall_s = lead, hold_max, sibling_stall_s
+        self._last_ack: dict[str, float] = {}  # child -> when it last acknowledged (or became busy)
+        # children a repaired plan gave us with a backlog: behind by arrival, not by the link's
+        # split; they hold nobody until they caught up once (wan_sim, 10% churn: 1.058 -> 1.119 x
+        # the fluid bound when they did)
+        self._catching_up: set[str] = set()
         self.have: set[int] = {i for i in have if 0 <= i < self.n}
         self.complete_sent = False
         self.bad_peers: set[str] = set()
@@ -197,6 +217,8 @@ class Relay:
             for i in sorted(self.have):
                 if i % self.stripes in stripes and i not in queued:
                     q.append(i)
+            if c not in old and q:
+                self._catching_up.add(c)
             if c not in old or q:
                 self._pump(c, actions)
         for c in old - set(self.child_stripes):
@@ -206,12 +228,40 @@ class Relay:
     # -- helpers ------------------------------------------------------------------------------
     def _pump(self, peer: str, actions: list[Action]) -> None:
         q, inflight, done = self._queue[peer], self._inflight[peer], self._done[peer]
+        if not inflight:
+            self._last_ack[peer] = self._now  # busy from now on: its stall clock starts here
         while q and len(inflight) < self.window:
+            if self._held(peer):
+                break
             i = q.popleft()
             if i in done or i in inflight:
                 continue
             inflight.add(i)
             actions.append(Send(peer, i))
+
+    def _owed(self, c: str) -> float:
+        """Chunks not yet acknowledged by child ``c`` (queued or in flight), per stripe it takes from us."""
+        return (len(self._queue[c]) + len(self._inflight[c])) / max(1, len(self.child_stripes.get(c, ())))
+
+    def _held(self, c: str) -> bool:
+        """Whether child ``c`` waits for a sibling that is behind it (see the module doc)."""
+        if c not in self.child_stripes or len(self.child_stripes) < 2:
+            return False  # a peer pulling from us, or an only child: nobody to share with
+        mine = self._owed(c)
+        for sib in self.child_stripes:
+            if sib == c or not self._inflight[sib] or sib in self._catching_up:
+                continue  # idle: it holds what we have of its stripes (or waits for its link to free)
+            if self._now - self._last_ack.get(sib, self._now) >= self.sibling_stall_s:
+                continue  # stalled: it must not hold the others
+            behind = self._owed(sib) - mine
+            if self.lead < behind <= self.hold_max:
+                return True
+        return False
+
+    def _pump_children(self, actions: list[Action], but: str | None = None) -> None:
+        for c in self.child_stripes:
+            if c != but and self._queue[c] and len(self._inflight[c]) < self.window:
+                self._pump(c, actions)
 
     def _serve(self, peer: str, i: int, actions: list[Action]) -> None:
         if peer not in self._queue:
@@ -273,8 +323,12 @@ class Relay:
             return []
         self._inflight[child].discard(i)
         self._done[child].add(i)
+        self._last_ack[child] = self._now
+        if not self._queue[child] and not self._inflight[child]:
+            self._catching_up.discard(child)
         actions: list[Action] = []
         self._pump(child, actions)
+        self._pump_children(actions, but=child)  # a sibling it held may go on
         return actions
 
     def on_send_failed(self, child: str, i: int, *, now: float | None = None) -> list[Action]:
@@ -285,6 +339,7 @@ class Relay:
             self._inflight[child].discard(i)
             actions: list[Action] = []
             self._pump(child, actions)
+            self._pump_children(actions, but=child)
             return actions
         return []
 
@@ -342,6 +397,7 @@ class Relay:
         """Time passes: detect stalled parents and expired requests; pull around them."""
         self._now = now
         actions: list[Action] = []
+        self._pump_children(actions)  # a sibling that holds others may have stalled since
         if len(self.have) < self.n:
             expired: list[int] = []
             for i, (src, deadline) in list(self._requested.items()):

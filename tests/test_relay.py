@@ -46,7 +46,8 @@ def requests(actions: list) -> dict[str, tuple[int, ...]]:
 
 
 def test_cut_through_forwards_only_verified_and_only_own_stripe() -> None:
-    r = Relay("me", two_stripe_plan(), HASHES, window=2)
+    # lead 8: the window alone (the sibling rule is tested below)
+    r = Relay("me", two_stripe_plan(), HASHES, window=2, lead=8)
     assert r.start(now=0.0) == []
     assert sends(r.on_chunk_verified(0, now=0.1)) == [("c1", 0), ("c2", 0)]
     assert sends(r.on_chunk_verified(1, now=0.2)) == []  # stripe 1: I am a leaf there
@@ -169,3 +170,86 @@ def test_request_for_a_pushed_chunk_the_child_does_not_advertise_is_served_again
         r.on_child_ack("c2", i)
     assert sends(r.on_request("c2", [0], now=1.0)) == []  # it says it holds it
     assert sends(r.on_request("c2", [2], now=1.0)) == [("c2", 2)]
+
+
+def test_siblings_share_the_upload_a_child_ahead_waits_for_the_one_behind() -> None:
+    """A child whose sends complete faster than its sibling's (TCP split the relay's upload
+    unevenly) gets no more than ``lead`` chunks ahead: it waits, so the link is the lagger's."""
+    r = Relay("me", two_stripe_plan(), HASHES, window=2, lead=1)
+    for i in (0, 2, 4, 6):
+        r.on_chunk_verified(i, now=0.1)
+    # both children have 0 and 2 in flight, 4 and 6 queued (owed 4 each)
+    assert sends(r.on_child_ack("c1", 0, now=0.2)) == [("c1", 4)]  # c1 owes 3, c2 4: within the lead
+    assert sends(r.on_child_ack("c1", 2, now=0.3)) == []  # c1 owes 2, c2 still 4: c1 waits
+    assert sends(r.on_child_ack("c1", 4, now=0.3)) == []  # still waits (its window is free)
+    # c2 catches up: each of its acks lets c1 go on again once c2 is within the lead
+    assert sends(r.on_child_ack("c2", 0, now=0.4)) == [("c2", 4)]
+    assert sends(r.on_child_ack("c2", 2, now=0.5)) == [("c2", 6), ("c1", 6)]
+    assert r.on_child_ack("c1", 6, now=0.6) == [] and r.on_child_ack("c2", 4, now=0.6) == []
+    assert r.on_child_ack("c2", 6, now=0.7) == []
+
+
+def test_a_stalled_or_far_behind_sibling_holds_nobody() -> None:
+    r = Relay("me", two_stripe_plan(), HASHES, window=2, lead=1, hold_max=3, sibling_stall_s=1.0)
+    for i in (0, 2, 4, 6):
+        r.on_chunk_verified(i, now=0.0)
+    r.on_child_ack("c1", 0, now=0.1)
+    assert sends(r.on_child_ack("c1", 2, now=0.2)) == []  # held by c2 (owes 4 against 2... 1)
+    # c2 acknowledges nothing for a second: a tick lets c1 go on without it
+    assert sends(r.on_tick(0.9)) == []
+    assert sends(r.on_tick(1.1)) == [("c1", 6)]
+    # far behind: with hold_max 1, a sibling more than 1 chunk behind is slower than its stripe
+    # (its stall pull is its remedy): it holds nobody
+    r2 = Relay("me", two_stripe_plan(), HASHES, window=2, lead=0, hold_max=1)
+    for i in (0, 2, 4, 6):
+        r2.on_chunk_verified(i, now=0.0)
+    assert sends(r2.on_child_ack("c1", 0, now=0.1)) == []  # c2 one behind: held (lead 0)
+    assert sends(r2.on_child_ack("c1", 2, now=0.1)) == [("c1", 4), ("c1", 6)]  # two behind: not held
+    # a sibling whose send failed is idle (its link broke; it will pull): it holds nobody
+    r3 = Relay("me", two_stripe_plan(), HASHES, window=1, lead=0, hold_max=1)
+    for i in (0, 2, 4, 6):
+        r3.on_chunk_verified(i, now=0.0)
+    assert sends(r3.on_child_ack("c1", 0, now=0.1)) == []  # c2 owes 4, c1 3: held
+    assert sends(r3.on_send_failed("c2", 0, now=0.1)) == [("c2", 2), ("c1", 2)]
+
+
+def test_sibling_rule_counts_per_stripe_taken_and_spares_pulling_peers() -> None:
+    # c1 takes stripes 0 and 1 from "me", c2 only stripe 0: c1 owes twice as many chunks at the
+    # same progress, and is not held for it
+    plan = Plan(
+        version=1, hub="hub", stripes=2,
+        parent=[{"me": "hub", "c1": "me", "c2": "me"}, {"me": "hub", "c1": "me", "c2": "hub"}],
+        children=[{"hub": ["me"], "me": ["c1", "c2"]}, {"hub": ["me", "c2"], "me": ["c1"]}],
+    )
+    r = Relay("me", plan, HASHES, window=1, lead=0, have=range(N))
+    out = sends(r.start(now=0.0))
+    assert out == [("c1", 0), ("c2", 0)]
+    # c1 now owes 7/2 = 3.5 per stripe, c2 4: c1 is ahead (lead 0) and waits for c2
+    assert sends(r.on_child_ack("c1", 0, now=0.1)) == []
+    assert sends(r.on_child_ack("c2", 0, now=0.2)) == [("c2", 2), ("c1", 1)]
+    # a peer that pulls is served at once, whatever the children owe
+    assert sends(r.on_request("x", [5], now=0.1)) == [("x", 5)]
+
+
+def test_a_child_given_by_a_repaired_plan_holds_nobody_until_it_caught_up() -> None:
+    # c1 and c2 from the start; c3 (was x's child) moves under "me" with the whole backlog: it is
+    # behind by arrival, not by the link's split, and must not slow c1 and c2 while it catches up
+    base = two_stripe_plan()
+    r = Relay("me", base, HASHES, window=1, lead=1, hold_max=8)
+    for i in (0, 2, 4):
+        r.on_chunk_verified(i, now=0.0)
+    assert sends(r.on_child_ack("c1", 0, now=0.1)) == [("c1", 2)]
+    assert sends(r.on_child_ack("c2", 0, now=0.1)) == [("c2", 2)]
+    moved = Plan(
+        version=1, hub="hub", stripes=2,
+        parent=[dict(base.parent[0], c3="me"), dict(base.parent[1], c3="p1")],
+        children=[dict(base.children[0], me=["c1", "c2", "c3"]), dict(base.children[1], p1=[*base.children[1]["p1"], "c3"])],
+    )
+    assert sends(r.on_plan(moved, now=0.2)) == [("c3", 0)]
+    # c3 owes 3, c1 1 after its ack: 2 > lead behind, yet c1 goes on (and c2 after it)
+    assert sends(r.on_child_ack("c1", 2, now=0.3)) == [("c1", 4)]
+    assert sends(r.on_child_ack("c2", 2, now=0.3)) == [("c2", 4)]
+    # once c3 caught up (owes nothing), it is a sibling like the others again
+    for i in (0, 2, 4):
+        r.on_child_ack("c3", i, now=0.4)
+    assert "c3" not in r._catching_up

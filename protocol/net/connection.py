@@ -188,6 +188,15 @@ class DataConnection:
         except (OSError, IndexError, TypeError, ValueError):
             return None
 
+    def limit_unsent(self, nbytes: int) -> None:
+        """Keep at most about ``nbytes`` written but not yet sent in the kernel (TCP_NOTSENT_LOWAT:
+        the socket is writable again only below it), so that a send that returned is mostly on the
+        wire; best effort (not every platform has it)."""
+        try:
+            self._sock.setsockopt(socket.IPPROTO_TCP, getattr(socket, "TCP_NOTSENT_LOWAT", 25), nbytes)
+        except (OSError, AttributeError):
+            pass
+
     @property
     def usable(self) -> bool:
         return self._broken is None and not self._closed

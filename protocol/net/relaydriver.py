@@ -39,6 +39,9 @@ Item = tuple[str, int, Any]
 # for more than this is flooding, and what does not fit is refused (the relay is told the send
 # failed, and an honest peer pulls it again).
 DEFAULT_MAX_QUEUE = 65536
+# TCP_NOTSENT_LOWAT of relay links: 64 KiB is 8 ms of an 8 MB/s link, and the sender writes the
+# next chunk (queued: the relay's window is 2) as soon as a send returns
+UNSENT_LOWAT = 64 * 1024
 
 
 class ChunkSource(Protocol):
@@ -183,6 +186,10 @@ class RelayDriver:
     # --- links -----------------------------------------------------------------------------
     def link_up(self, conn: DataConnection) -> RelayLink:
         link = RelayLink(conn, max_queue=self.max_queue)
+        if UNSENT_LOWAT:
+            # a chunk counts as sent (the relay's acknowledgement, which its sibling rule weighs)
+            # when it is mostly on the wire, not when it sits in a socket buffer of megabytes
+            conn.limit_unsent(UNSENT_LOWAT)
         self.links[link.peer] = link
         return link
 
