@@ -47,6 +47,7 @@ from .intake_pool import Checked
 from .intake_worker import CheckContext
 from .receipts import make_batch_receipt, seal_receipt
 from .reputation import Event
+from .rewards import Batch, Scored, TrainerState, apply_scores, batch_of
 from .rows import Group, encode_groups
 from .store import Accepted, HubStore
 
@@ -132,22 +133,40 @@ async def accept_items(hub: Hub, peer: str, items: list[bytes]) -> list[ItemOutc
     return done
 
 
+async def _score_all(hub: Hub, plain: list[_Taken]) -> list[list[Group]]:
+    """Each accepted item's rows with their rewards. Those an intake worker scored are counted;
+    the rest are scored here in ONE call of each reward function for the whole batch (per item,
+    each call was a thread hand-off per function: ~0.3-0.5 ms of the loop per small result). A
+    function that fails on the call fails it for the whole batch (its completions are excluded)."""
+    rows_of: list[list[Group]] = [[] for _ in plain]
+    here = []
+    for k, t in enumerate(plain):
+        if t.checked.scored is not None or len(plain) == 1:
+            rows_of[k] = await hub._score(t.verdict, t.checked)
+        else:
+            here.append(k)
+    if not here:
+        return rows_of
+    parts = [batch_of(plain[k].verdict.rows, [g.item for g in plain[k].verdict.task.groups], plain[k].verdict.texts)
+             for k in here]
+    whole = Batch([x for b in parts for x in b.items], [x for b in parts for x in b.texts],
+                  [x for b in parts for x in b.completion_ids], [x for b in parts for x in b.finish_reasons])
+    scored = await hub.rewards.score(whole, TrainerState(global_step=hub.learner.version, max_steps=hub.cfg.steps))
+    at = 0
+    for k, b in zip(here, parts, strict=True):
+        lo, at = at, at + len(b)
+        mine = Scored(scored.rewards[lo:at], scored.reasons[lo:at], scored.parts[lo:at] if scored.parts else [])
+        rows_of[k], dropped = apply_scores(plain[k].verdict.rows, mine)
+        hub.rewards.groups_dropped += dropped
+    return rows_of
+
+
 async def _accept(hub: Hub, peer: str, node: NodeInfo, plain: list[_Taken], out: list[ItemOutcome | None]) -> None:
     """The accepted items, together. The dispatcher has accepted them: this runs even if the
     node's request gives up meanwhile (cancelled halfway, an accepted result would never be
     stored). The scoring inside is bounded by reward_timeout_s."""
     with trio.CancelScope(shield=True):
-        rows_of: list[list[Group]] = [[] for _ in plain]
-
-        async def score(k: int) -> None:
-            rows_of[k] = await hub._score(plain[k].verdict, plain[k].checked)
-
-        if len(plain) == 1:
-            await score(0)
-        else:  # the hub's reward threads score them side by side (workers 0); a worker already did
-            async with trio.open_nursery() as nursery:
-                for k in range(len(plain)):
-                    nursery.start_soon(score, k)
+        rows_of = await _score_all(hub, plain)
         banned = peer in hub.fleet.banned  # banned while its rows were scored: drop_rows_of has run already
         records = []
         for k, t in enumerate(plain):

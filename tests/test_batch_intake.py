@@ -118,3 +118,43 @@ def test_node_keeps_a_batch_receipt_once(tmp_path: Path) -> None:
     assert (credit["results"], credit["tokens"], credit["complete"]) == (3, 1536, True)
     with pytest.raises(ReceiptError, match="does not name task t4"):  # not that task's receipt
         check_receipt(sealed, hub_peer=hub_id.peer_id, me=me.peer_id, task_id="t4", replay=None)
+
+
+def test_whole_result_checks_answer_as_the_per_completion_checks() -> None:
+    """A packed result's completions checked as one array give the per-completion loop's
+    verdict and message, whichever completion is bad and however (random faults, fixed seed)."""
+    import random
+
+    import numpy as np
+
+    from echo2.learner_hub.intake_check import Limits, _completion_problem, completions_problem
+    from echo2.protocol.packedresult import PackedCompletion, PackedResult, pack_ids, pack_logprobs
+
+    rng = random.Random(7)
+    lim = Limits(vocab_size=100, max_new_tokens=6, stop_ids=frozenset({2}))
+    stop_arr = np.array([2], dtype=np.int64)
+    node_id = Identity.generate().peer_id
+    faults = 0
+    for _ in range(400):
+        comps = []
+        for i in range(6):
+            n = rng.randint(0, 6)
+            ids = [rng.randint(3, 99) for _ in range(n)]
+            lps = [-0.5] * n
+            roll = rng.random()
+            if roll < 0.08:
+                ids.append(5)  # too long when n is 6
+                lps.append(-0.5)
+            elif roll < 0.16 and ids:
+                ids[rng.randrange(len(ids))] = 100 + rng.randint(0, 5)  # outside the vocabulary
+            elif roll < 0.24 and ids:
+                ids[rng.randrange(len(ids))] = 2  # a stop token, maybe not the last
+            elif roll < 0.32 and lps:
+                lps[rng.randrange(len(lps))] = rng.choice([float("nan"), 0.5, -1e5, float("-inf")])
+            comps.append(PackedCompletion(i // 2, pack_ids(ids), pack_logprobs(lps), "length"))
+        r = PackedResult(task_id="t", task_hash=bytes(32), node_id=node_id, version=0, completions=comps,
+                         started_at=0.0, gen_seconds=0.0, tokens=0)
+        expected = next((p for c in comps if (p := _completion_problem(c, lim, stop_arr)) is not None), None)
+        faults += expected is not None
+        assert completions_problem([2, 2, 2], r, lim, stop_arr) == expected
+    assert 100 < faults < 400  # both verdicts were exercised
