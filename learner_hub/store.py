@@ -287,12 +287,15 @@ class HubStore(JoinTokens, CheckpointFiles):
 
     # --- tasks -----------------------------------------------------------------------------------
     def record_task(self, task_id: str, node: str, issued_at: float, deadline: float, n_rollouts: int) -> None:
+        self.record_tasks([(task_id, node, issued_at, deadline, n_rollouts)])
+
+    def record_tasks(self, tasks: Sequence[tuple[str, str, float, float, int]]) -> None:
+        """Tasks issued together (task id, node, issued at, deadline, rollouts), in one
+        transaction: a batch's acceptance issues its node's next tasks at once."""
         with self._tx() as db:
-            db.execute(
+            db.executemany(
                 "INSERT OR REPLACE INTO tasks (task_id, node, issued_at, deadline, n_rollouts, status, closed_at)"
-                " VALUES (?, ?, ?, ?, ?, 'issued', NULL)",
-                (task_id, node, issued_at, deadline, n_rollouts),
-            )
+                " VALUES (?, ?, ?, ?, ?, 'issued', NULL)", tasks)
 
     def close_task(self, task_id: str, status: str, now: float) -> None:
         """``status``: e.g. done | declined | expired | node_left | stale."""

@@ -93,6 +93,9 @@ def test_a_batch_is_stored_at_once_and_shares_one_receipt(tmp_path: Path, worker
         ledger = _rows(hub, "SELECT accepted_results, accepted_tokens FROM ledger WHERE peer_id = ?", node.peer_id)
         assert ledger == [(5, lone.account_tokens)]
         assert _rows(hub, "SELECT reason FROM results WHERE accepted = 0") == [("duplicate",)]
+        # the tasks one pump issued went in together (record_tasks); each accepted one is closed done
+        status = dict(_rows(hub, "SELECT task_id, status FROM tasks WHERE node = ?", node.peer_id))
+        assert {t.task_id: status.get(t.task_id) for t in tasks} == {t.task_id: "done" for t in tasks}
     finally:
         hub.intake_pool.close()
         hub.store.close()
