@@ -49,7 +49,7 @@ from echo2.protocol.net.dataplane import DataPlaneServer
 from echo2.protocol.peerlimit import KeyedRateLimiter
 from echo2.protocol.wire import WORK_POLL_S
 
-from .batchintake import channel_offer, judge_batch
+from .batchintake import accept_items, channel_offer, judge_batch
 from .broadcast import PeerInfo, PipelinedSender, StarWithHolds
 from .config import HubConfig, render_config
 from .curves import HubCurves
@@ -58,10 +58,9 @@ from .dispatch import DispatchConfig, Dispatcher
 from .evaluation import Evaluator
 from .fleet import Fleet, NodeInfo
 from .hubstatus import hub_status, write_status_file, write_status_in_chunks
-from .intake import Accept, Intake, Punish, TaskParams
-from .intake_check import Findings, check_replay
+from .intake import Accept, Intake, TaskParams
+from .intake_check import Findings
 from .intake_pool import Checked, IntakePool, worker_spec
-from .intake_worker import CheckContext
 from .ledger import Ledger
 from .outbox import Outbox
 from .publisher import PolicyPublisher, StarSender
@@ -254,63 +253,16 @@ class Hub:
         # either wire form: the packed one (int32/float32 bytes, what nodes send) or the list one.
         # The stateless checks (envelope, signature, decode, completions, detokenising; with
         # intake workers, the rewards too) run in the intake pool; the state (replay, book,
-        # dispatcher, store, ledger) stays here.
-        if peer not in self.nodes:  # before any work on the frame: a stranger costs no worker time
-            raise NotAdmitted("this node is not admitted (the hub may have restarted): request admission")
-        ctx = CheckContext(peer, self.intake.tasks_of(peer), self.learner.version, self.cfg.steps)
-        checked = await self.intake_pool.check(data, ctx)
-        f = checked.findings
-        node = self.nodes.get(peer)
-        if node is None:  # dropped while a worker checked its result
-            raise NotAdmitted("this node is not admitted (the hub may have restarted): request admission")
-        now = node.last_seen = time.time()
-        check_replay(self.replay, f, now)
-        verdict = self.intake.judge_found(peer, f, now, self.learner.version)
-        n, tokens = f.n_completions, f.tokens  # counted at intake, not the node's claim
-        if not isinstance(verdict, Accept):
-            reason = verdict.error.code if isinstance(verdict, Punish) else verdict.code
-            self.store.submit(HubStore.record_result, f.task_id, peer, f.version, accepted=False, reason=reason,
-                              tokens=tokens, rollouts=n, received_at=now)
-            if isinstance(verdict, Punish):
-                self.fleet.punish(peer, Event.FORGED, verdict.error.message)
-            else:
-                node.refused += 1
-                self.ledger.refuse(peer, verdict.code)
-                self._pump()
-            raise verdict.error
-        # The dispatcher has accepted: the rest of the accept path runs even if the node's request
-        # gives up meanwhile (cancelled halfway, an accepted result would never be stored). The
-        # scoring inside is bounded by reward_timeout_s.
-        if self.dispatcher.eval_handled(f.task_id):
-            return await self._eval_result(peer, f, verdict, now, tokens, checked)
-        with trio.CancelScope(shield=True):
-            rows = await self._score(verdict, checked)
-            payload = checked.payload  # an intake worker encoded the same rows (or None)
-            if peer in self.fleet.banned:
-                rows, payload = [], None  # banned while its rows were scored: drop_rows_of has run already
-            # store: the result and its ledger entry in one durable transaction, queued before the
-            # rows can be trained (and marked so), committed before the node hears "accepted"
-            price = self.fleet.task_price_micro(f.task_id, peer)
-            pending = self.store.request(HubStore.record_accepted, f.task_id, peer, f.version, tokens=tokens, rollouts=n,
-                                         received_at=now, payload=encode_groups(rows) if payload is None else payload,
-                                         price_micro=price)
-            self.ledger.accept(peer, n, tokens)
-            receipt = self._receipt(peer, f.task_id, n, tokens, price, now)
-            self.reputation.record(peer, Event.ACCEPTED)
-            node.tasks_done, node.rollouts, node.tokens = node.tasks_done + 1, node.rollouts + n, node.tokens + tokens
-            if rows:
-                self.trainer.add(f.task_id, rows, f.version)
-            else:  # nothing the reward functions could score: nothing to train or restore
-                self.intake.book.buffered(f.task_id, 0)
-                self.store.submit(HubStore.drop_pending, [f.task_id], "reward_excluded")
-            self.outbox.feed()
-        await pending.wait()
-        return seal_receipt(self.identity, receipt)  # the node's proof of contribution (issue 19)
+        # dispatcher, store, ledger) stays here. A lone result is a batch of one (batchintake.py).
+        out = (await accept_items(self, peer, [data]))[0]
+        if isinstance(out, Exception):
+            raise out
+        return out  # the receipt: the node's proof of contribution (issue 19)
 
     async def on_results(self, peer: str, data: bytes) -> bytes:
-        """A ResultBatch: each item judged by :meth:`on_result`, one verdict each (batchintake.py)."""
+        """A ResultBatch: its items judged together, one verdict each (batchintake.py)."""
         return await judge_batch(self.identity, peer, data, replay=self.replay, allowed=self._signed_by(peer),
-                                 per_result=self.on_result)
+                                 judge_items=lambda p, items: accept_items(self, p, items))
 
     async def on_channel(self, peer: str, data: bytes) -> bytes:
         """Where an admitted node opens its channel (the request carries nothing: the stream's

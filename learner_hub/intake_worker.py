@@ -10,9 +10,10 @@ The worker gets what it needs by spec, never as live objects, as the first frame
 the model's tokenizer files (loaded as the hub loads its tokenizer) and the reward functions'
 specs (``file.py:func`` / ``package.module:func``, a verifiers environment id, or a
 module-level function, which pickles by reference), with the hub's ``sys.path``. It then answers
-requests one at a time, framed as ``[u32 header length][u32 frame length][header][raw frame]``;
-the header (pickled) is small: the peer, its tasks in flight, the trainer state. The frame
-travels as the raw bytes the node signed.
+requests one at a time, framed as ``[u32 header length][u32 frames length][header][raw frames]``;
+the header (pickled) is small: the peer, its tasks in flight, the trainer state, and the length of
+each frame (several results of one peer's batch travel in one request and come back as one list of
+replies). The frames travel as the raw bytes the node signed.
 
 Reward functions run here, each on its own thread with the hub's ``reward_timeout_s`` (the same
 rules as :class:`.rewards.RewardRunner`: one call at a time per function, a hung call abandoned),
@@ -42,6 +43,7 @@ from .intake import sample_of
 from .intake_check import Findings, Limits, TaskView, error_to_wire, examine
 from .recipe import PromptItem
 from .rewards import (
+    Batch,
     FuncFailure,
     RewardFunc,
     Scored,
@@ -174,21 +176,49 @@ def load(spec: WorkerSpec) -> tuple[Callable[[list[list[int]]], list[str]], Sync
 def handle(raw: bytes, req: CheckContext, lim: Limits, decode_batch: Callable[[list[list[int]]], list[str]],
            rewards: SyncRewards | None) -> Reply:
     """One frame: examine it, and score its completions when it answers one of the peer's tasks."""
-    try:
-        f = examine(raw, req.peer, req.tasks, lim, decode_batch)
-    except Echo2Error as exc:
-        return Reply(error=error_to_wire(exc))
-    if rewards is None or not req.score or f.samples is None or f.texts is None:
-        return Reply(findings=f)
-    task = req.tasks[f.task_id]
-    # batch_of reads token ids and finish reasons off Group/Sample rows: built here from the arrays
-    groups = [Group(list(p), [sample_of(s, f.version, req.peer) for s in ss]) for p, ss in zip(task.prompts, f.samples, strict=True)]
-    items = [PromptItem(*it) if len(it) > 1 else it[0] for it in task.items]
-    scored, failures = rewards.score(batch_of(groups, items, f.texts), TrainerState(req.step, req.max_steps))
-    kept, _ = apply_scores(groups, scored)
-    # the texts went into the rewards; the hub has no use for them
-    return Reply(findings=_without_texts(f), scored=(scored.rewards, scored.reasons, scored.parts), failures=failures,
-                 payload=encode_groups(kept))
+    return handle_many([raw], req, lim, decode_batch, rewards)[0]
+
+
+def handle_many(raws: Sequence[bytes], req: CheckContext, lim: Limits,
+                decode_batch: Callable[[list[list[int]]], list[str]], rewards: SyncRewards | None) -> list[Reply]:
+    """Frames of one peer (a share of its ResultBatch): each examined, and those that answer one
+    of the peer's tasks scored together, in one call of each reward function (a function that
+    fails on it fails for all of them; its failures ride on the first scored item's reply)."""
+    replies: list[Reply] = []
+    todo: list[tuple[int, Findings, list[Group]]] = []
+    for raw in raws:
+        try:
+            f = examine(raw, req.peer, req.tasks, lim, decode_batch)
+        except Echo2Error as exc:
+            replies.append(Reply(error=error_to_wire(exc)))
+            continue
+        replies.append(Reply(findings=f))
+        if rewards is None or not req.score or f.samples is None or f.texts is None:
+            continue
+        task = req.tasks[f.task_id]
+        # batch_of reads token ids and finish reasons off Group/Sample rows: built here from the arrays
+        groups = [Group(list(p), [sample_of(s, f.version, req.peer) for s in ss]) for p, ss in zip(task.prompts, f.samples, strict=True)]
+        todo.append((len(replies) - 1, f, groups))
+    if not todo or rewards is None:
+        return replies
+    parts = []
+    for _, f, groups in todo:
+        items = [PromptItem(*it) if len(it) > 1 else it[0] for it in req.tasks[f.task_id].items]
+        assert f.texts is not None
+        parts.append(batch_of(groups, items, f.texts))
+    whole = parts[0] if len(parts) == 1 else Batch(
+        [x for b in parts for x in b.items], [x for b in parts for x in b.texts],
+        [x for b in parts for x in b.completion_ids], [x for b in parts for x in b.finish_reasons])
+    scored, failures = rewards.score(whole, TrainerState(req.step, req.max_steps))
+    at = 0
+    for n, ((i, f, groups), b) in enumerate(zip(todo, parts, strict=True)):
+        lo, at = at, at + len(b)
+        mine = Scored(scored.rewards[lo:at], scored.reasons[lo:at], scored.parts[lo:at] if scored.parts else [])
+        kept, _ = apply_scores(groups, mine)
+        # the texts went into the rewards; the hub has no use for them
+        replies[i] = Reply(findings=_without_texts(f), scored=(mine.rewards, mine.reasons, mine.parts),
+                           failures=failures if n == 0 else (), payload=encode_groups(kept))
+    return replies
 
 
 def _without_texts(f: Findings) -> Findings:
@@ -222,12 +252,18 @@ def main(sock: socket.socket, spec: WorkerSpec) -> None:
         if head is None:
             break  # the hub closed its end (stop, or it died): never outlive it
         hlen, flen = _LEN.unpack(head)
-        header, raw = recv_exact(sock, hlen), recv_exact(sock, flen)
-        if header is None or raw is None:
+        header, frames = recv_exact(sock, hlen), recv_exact(sock, flen)
+        if header is None or frames is None:
             break
-        req: CheckContext = pickle.loads(header)  # from the hub process, our own code: trusted
-        reply = handle(raw, req, spec.limits, decode_batch, rewards)
-        out = _ENCODER.encode(reply)
+        # from the hub process, our own code: trusted. Several frames per request (a ResultBatch's
+        # items): one round trip per batch, not per result (each cost the hub's loop ~0.3 ms)
+        req, sizes = pickle.loads(header)
+        raws, at = [], 0
+        for n in sizes:
+            raws.append(frames if len(sizes) == 1 else frames[at:at + n])  # a lone (maybe 36 MB) frame uncopied
+            at += n
+        replies = handle_many(raws, req, spec.limits, decode_batch, rewards)
+        out = _ENCODER.encode(replies)
         sock.sendall(_ONE.pack(len(out)) + out)
     # reward threads of abandoned (hung) calls would keep a normal exit waiting
     os._exit(0)

@@ -81,9 +81,10 @@ class Outbox:
         min_v, active, nodes = max(0, t - self.cfg.staleness), self.fleet.active, self.fleet.nodes
         self._apply_eligibility(min_v, active, nodes)
         tasks = self._eval_tasks(now) + self.intake.issue(now, t, nodes, lambda: self.rng.randrange(2**62))
+        if tasks:  # one store transaction for what this pump issued
+            self.store.submit(HubStore.record_tasks, [(x.task_id, x.node_id, now, x.deadline, len(x.prompts) * x.group_size)
+                                                      for x in tasks])
         for task in tasks:
-            n_rollouts = len(task.prompts) * task.group_size
-            self.store.submit(HubStore.record_task, task.task_id, task.node_id, now, task.deadline, n_rollouts)
             self.fleet.task_issued(task.task_id, task.node_id)
             node = nodes[task.node_id]
             # within the node's replay window (600 s), however long the deadline

@@ -32,6 +32,21 @@ def make_receipt(
     )
 
 
+def make_batch_receipt(
+    hub_id: str, node_id: str, task_ids: list[str], *, rollouts: int, tokens: int, price_micro: int,
+    accepted_at: float, account: AccountRow,
+) -> Receipt:
+    """One receipt for several accepted results of a node's ResultBatch (all issued at
+    ``price_micro``; at most MAX_RECEIPT_TASKS): one signature instead of one per result (sealing
+    was ~0.2-0.3 ms of the hub's CPU per small result). ``account`` counts all of them."""
+    return Receipt(
+        hub_id=hub_id, node_id=node_id, task_ids=list(task_ids), results=len(task_ids), rollouts=rollouts,
+        tokens=tokens, price_micro=price_micro, accepted_at=accepted_at, account_results=account.accepted_results,
+        account_rollouts=account.accepted_rollouts, account_tokens=account.accepted_tokens,
+        account_cost_micro=account.cost_micro,
+    )
+
+
 def make_statement(hub_id: str, node_id: str, *, price_micro: int, at: float, account: AccountRow) -> Receipt:
     """A receipt of no results: the node's account when the hub stops billing it (it paused or
     left). Time billed after a node's last accepted result is stated only here."""

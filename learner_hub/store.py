@@ -24,10 +24,10 @@ import logging
 import os
 import sqlite3
 import threading
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from echo2.fsutil import fsync_dir
 
@@ -51,6 +51,19 @@ log = logging.getLogger(__name__)
 
 DB_NAME = "hub.sqlite"
 CHECKPOINT_DIR = "checkpoints"
+
+
+class Accepted(NamedTuple):
+    """One accepted result as :meth:`HubStore.record_accepted_many` records it."""
+
+    task_id: str
+    node: str
+    version: int
+    tokens: int
+    rollouts: int
+    received_at: float
+    payload: bytes
+    price_micro: int
 
 class HubStore(JoinTokens, CheckpointFiles):
     """SQLite-backed hub state. ``path`` is the database file (conventionally DIR/hub.sqlite);
@@ -274,12 +287,15 @@ class HubStore(JoinTokens, CheckpointFiles):
 
     # --- tasks -----------------------------------------------------------------------------------
     def record_task(self, task_id: str, node: str, issued_at: float, deadline: float, n_rollouts: int) -> None:
+        self.record_tasks([(task_id, node, issued_at, deadline, n_rollouts)])
+
+    def record_tasks(self, tasks: Sequence[tuple[str, str, float, float, int]]) -> None:
+        """Tasks issued together (task id, node, issued at, deadline, rollouts), in one
+        transaction: a batch's acceptance issues its node's next tasks at once."""
         with self._tx() as db:
-            db.execute(
+            db.executemany(
                 "INSERT OR REPLACE INTO tasks (task_id, node, issued_at, deadline, n_rollouts, status, closed_at)"
-                " VALUES (?, ?, ?, ?, ?, 'issued', NULL)",
-                (task_id, node, issued_at, deadline, n_rollouts),
-            )
+                " VALUES (?, ?, ?, ?, ?, 'issued', NULL)", tasks)
 
     def close_task(self, task_id: str, status: str, now: float) -> None:
         """``status``: e.g. done | declined | expired | node_left | stale."""
@@ -339,29 +355,35 @@ class HubStore(JoinTokens, CheckpointFiles):
         the hub answers "accepted" only after this returns, so a crash at any moment either loses
         the result and its entry together (the node was not told, and sends it again) or neither.
         ``price_micro`` is the price in force when the task was issued (micro-USD per hour)."""
-        if min(tokens, rollouts, price_micro) < 0:
+        self.record_accepted_many([Accepted(task_id, node, version, tokens, rollouts, received_at, payload, price_micro)])
+
+    def record_accepted_many(self, items: Sequence[Accepted]) -> None:
+        """Several accepted results (one node's ResultBatch), each as :meth:`record_accepted`
+        records it, in ONE durable transaction: one WAL sync per batch instead of one per result."""
+        if any(min(a.tokens, a.rollouts, a.price_micro) < 0 for a in items):
             raise ValueError("tokens, rollouts and price must be >= 0")
         with self._tx(durable=True) as db:
-            db.execute(
-                "INSERT INTO results (task_id, node, version, accepted, reason, tokens, rollouts, received_at, payload)"
-                " VALUES (?, ?, ?, 1, 'accepted', ?, ?, ?, ?)",
-                (task_id, node, version, tokens, rollouts, received_at, payload),
-            )
-            db.execute("UPDATE tasks SET status = 'done', closed_at = ? WHERE task_id = ?", (received_at, task_id))
-            new = db.execute(
-                "INSERT OR IGNORE INTO ledger_entries (task_id, peer_id, rollouts, tokens, price_micro, at)"
-                " VALUES (?, ?, ?, ?, ?, ?)",
-                (task_id, node, rollouts, tokens, int(price_micro), received_at),
-            ).rowcount
-            if new:
+            for a in items:
                 db.execute(
-                    "INSERT INTO ledger (peer_id, price, active_s, cost_usd, accepted_results, accepted_rollouts,"
-                    " accepted_tokens, refused_by_reason, saved_at, price_micro) VALUES (?, ?, 0, 0, 1, ?, ?, '{}', ?, ?)"
-                    " ON CONFLICT(peer_id) DO UPDATE SET accepted_results = accepted_results + 1,"
-                    " accepted_rollouts = accepted_rollouts + excluded.accepted_rollouts,"
-                    " accepted_tokens = accepted_tokens + excluded.accepted_tokens",
-                    (node, price_micro / 1e6, rollouts, tokens, received_at, int(price_micro)),
+                    "INSERT INTO results (task_id, node, version, accepted, reason, tokens, rollouts, received_at, payload)"
+                    " VALUES (?, ?, ?, 1, 'accepted', ?, ?, ?, ?)",
+                    (a.task_id, a.node, a.version, a.tokens, a.rollouts, a.received_at, a.payload),
                 )
+                db.execute("UPDATE tasks SET status = 'done', closed_at = ? WHERE task_id = ?", (a.received_at, a.task_id))
+                new = db.execute(
+                    "INSERT OR IGNORE INTO ledger_entries (task_id, peer_id, rollouts, tokens, price_micro, at)"
+                    " VALUES (?, ?, ?, ?, ?, ?)",
+                    (a.task_id, a.node, a.rollouts, a.tokens, int(a.price_micro), a.received_at),
+                ).rowcount
+                if new:
+                    db.execute(
+                        "INSERT INTO ledger (peer_id, price, active_s, cost_usd, accepted_results, accepted_rollouts,"
+                        " accepted_tokens, refused_by_reason, saved_at, price_micro) VALUES (?, ?, 0, 0, 1, ?, ?, '{}', ?, ?)"
+                        " ON CONFLICT(peer_id) DO UPDATE SET accepted_results = accepted_results + 1,"
+                        " accepted_rollouts = accepted_rollouts + excluded.accepted_rollouts,"
+                        " accepted_tokens = accepted_tokens + excluded.accepted_tokens",
+                        (a.node, a.price_micro / 1e6, a.rollouts, a.tokens, a.received_at, int(a.price_micro)),
+                    )
 
     def ledger_entries(self, peer_id: str | None = None) -> list[tuple[str, str, int, int, int, float]]:
         """(task id, peer, rollouts, tokens, price micro-USD/h at issue, time) per accepted result."""

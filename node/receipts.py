@@ -16,6 +16,7 @@ makes it fail (the length prefix included: the records after it can no longer be
 
 from __future__ import annotations
 
+import collections
 import json
 import logging
 import os
@@ -39,6 +40,8 @@ RECEIPTS_FILE = "receipts.bin"
 REJECTIONS_FILE = "rejections.jsonl"
 _LEN = struct.Struct(">I")
 MICRO = 1_000_000
+#: batch receipts remembered to recognise their repeats (a batch is at most 32 items, 2 receipts)
+RECENT_RECEIPTS = 64
 
 
 class ReceiptError(MeaningError):
@@ -120,14 +123,24 @@ class ReceiptBook:
         self._lock = trio.Lock()  # records stay whole: one append at a time
         self.kept = 0
         self._last_statement: tuple[str, int, int] | None = None
+        # receipts already checked: a batch's items share one receipt naming all their tasks (the
+        # hub signs once per batch), so the same envelope comes once per item, kept once
+        self._recent: collections.OrderedDict[bytes, Receipt] = collections.OrderedDict()
 
     async def accepted(self, reply: bytes, *, hub_peer: str, me: str, task_id: str, replay: ReplayCheck | None) -> None:
         """The hub's reply to an accepted result: keep its receipt (a bad one is logged, not kept)."""
+        seen = self._recent.get(reply)
+        if seen is not None and task_id in seen.task_ids:
+            return  # this task's receipt is one already kept (its batch's)
         try:
             receipt = check_receipt(reply, hub_peer=hub_peer, me=me, task_id=task_id, replay=replay)
         except Echo2Error as exc:
             log.warning("receipt for task %s refused: %s", task_id, exc)
             return
+        if receipt is not None and len(receipt.task_ids) > 1:
+            self._recent[reply] = receipt
+            while len(self._recent) > RECENT_RECEIPTS:
+                self._recent.popitem(last=False)
         if receipt is None:
             log.info("hub sent no receipt for task %s (a hub from before receipts)", task_id)
             return
