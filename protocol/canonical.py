@@ -22,6 +22,8 @@ from .errors import DecodeError, SchemaError, TooLarge
 MAX_DEPTH = 32
 _INT_MIN = -(2**63)
 _INT_MAX = 2**64 - 1
+_INTS: set[type] = {int}
+_FLOATS: set[type] = {float}
 
 
 def _normalize(obj: Any, depth: int) -> Any:
@@ -53,6 +55,20 @@ def _normalize(obj: Any, depth: int) -> Any:
     if t is list or t is tuple:
         if depth >= MAX_DEPTH:
             raise SchemaError(f"nesting deeper than {MAX_DEPTH}")
+        # Token ids and log-probs: a list of plain ints (or floats) is checked with C-level loops
+        # (map, min, max) instead of one recursive call per element: a Task's 320 prompt ids
+        # took 110 us to encode that way, most of sealing a task and hashing it. Same rules.
+        kinds = set(map(type, obj))
+        if kinds == _INTS:
+            if min(obj) < _INT_MIN or max(obj) > _INT_MAX:
+                bad = next(v for v in obj if v < _INT_MIN or v > _INT_MAX)
+                raise SchemaError(f"integer out of the 64-bit range: {bad}")
+            return list(obj)
+        if kinds == _FLOATS:
+            if not all(map(math.isfinite, obj)):
+                bad = next(v for v in obj if not math.isfinite(v))
+                raise SchemaError(f"non-finite float {bad!r} cannot be encoded")
+            return list(obj)
         return [_normalize(v, depth + 1) for v in obj]
     # Subclasses and other byte-likes: accepted where unambiguous, stored as their base type.
     if isinstance(obj, bool):
