@@ -366,6 +366,25 @@ async def _measure_http(hub: Any, n: int) -> dict[str, Any]:
     return {"loop_cpu_ms": _stats(loop_ms), "loop_blocked_max_ms": _stats(blocked), "bytes": max(sizes, default=0)}
 
 
+def size_ratios(rows: list[dict[str, Any]], worker_counts: list[int]) -> dict[str, Any]:
+    """Result CPU at the largest fleet over the smallest, per intake worker count: dividing the
+    last row by the first mixed worker counts with ``--workers 0,2`` (10,000 nodes with 2
+    workers over 100 nodes with none). ``ratio_result_*_cpu`` keep the first worker count's."""
+    by: dict[str, dict[str, float]] = {}
+    for w in worker_counts:
+        mine = [r for r in rows if r["workers"] == w]
+        if len(mine) < 2:
+            continue
+        a, b = mine[0], mine[-1]
+        by[str(w)] = {k: round(b["result"][f"{k}_cpu_ms"]["median"] / max(a["result"][f"{k}_cpu_ms"]["median"], 1e-9), 3)
+                      for k in ("loop", "process")}
+    out: dict[str, Any] = {"ratio_result_cpu_by_size": by}
+    first = by.get(str(worker_counts[0]))
+    if first is not None:
+        out["ratio_result_loop_cpu"], out["ratio_result_process_cpu"] = first["loop"], first["process"]
+    return out
+
+
 def run(args: argparse.Namespace) -> int:
     import logging
 
@@ -439,12 +458,9 @@ def run(args: argparse.Namespace) -> int:
                         r["result"]["process_cpu_ms"]["median"] / max(base["result"]["process_cpu_ms"]["median"], 1e-9), 3)
         print(f"hub process CPU per result, workers ratio: {out['ratio_result_process_cpu_by_workers']}")
     if len(sizes) >= 2:
-        a, b = rows[0], rows[-1]
-        out["ratio_result_loop_cpu"] = round(b["result"]["loop_cpu_ms"]["median"] / max(a["result"]["loop_cpu_ms"]["median"], 1e-9), 3)
-        out["ratio_result_process_cpu"] = round(
-            b["result"]["process_cpu_ms"]["median"] / max(a["result"]["process_cpu_ms"]["median"], 1e-9), 3)
-        print(f"result CPU ratio {b['nodes']} / {a['nodes']} nodes: loop {out['ratio_result_loop_cpu']}, "
-              f"process {out['ratio_result_process_cpu']}")
+        out |= size_ratios(rows, worker_counts)
+        for w, r in out["ratio_result_cpu_by_size"].items():
+            print(f"result CPU ratio {sizes[-1]} / {sizes[0]} nodes, workers={w}: loop {r['loop']}, process {r['process']}")
     if args.json:
         Path(args.json).write_text(json.dumps(out, indent=2))
     return 0

@@ -25,7 +25,7 @@ from .capacity import CapacityReport, NodeCapacity, capacity_report
 from .claims import ClaimLimits, PriceBook, claim_problem, overclaims
 from .config import HubConfig
 from .dispatch import Dispatcher
-from .ledger import MICRO, Ledger, to_micro
+from .ledger import MICRO, FrozenAccounts, Ledger, to_micro
 from .links import LinkBook
 from .publisher import PolicyPublisher
 from .reputation import Event, ReputationBook, ReputationConfig
@@ -70,6 +70,14 @@ class NodeInfo:
             tok = self.__dict__.get("_tok")
             if tok is not None:
                 tok.add(self.peer_id)
+        if name in STATUS_FIELDS:  # status.json re-encodes only the entries that changed (status_nodes.py)
+            st = self.__dict__.get("_status")
+            if st is not None:
+                st.add(self.peer_id)
+
+
+#: the NodeInfo fields that status.json's entry of a node shows
+STATUS_FIELDS = frozenset({"held_version", "tasks_done", "rollouts", "tokens", "refused", "paused", "announce"})
 
 
 class SilenceOrder:
@@ -104,6 +112,12 @@ class SilenceOrder:
             if n is not None:
                 out.append(p)
         return out
+
+
+def save_accounts(st: HubStore, accounts: FrozenAccounts) -> None:
+    """The ledger's save, in the store's thread: rows of the accounts changed since the last save
+    and the active ones (the others' saved rows still hold), built here, not on the loop."""
+    st.save_ledger(accounts.rows(), accounts.now)
 
 
 class TrainingFigures(Protocol):
@@ -143,6 +157,7 @@ class Fleet:
         self.eligibility_changed: set[str] = set()
         self.silence = SilenceOrder()
         self.tokens_changed: set[str] = set()  # nodes whose token count changed since curves sampled it
+        self.status_changed: set[str] = set()  # nodes whose status entry may have changed since the last write
         self._claim_changed: set[str] = set()  # announced claims since the last tick
         self._admitted: dict[str, int] = {}  # peer -> admission number (the order of self.nodes)
         self._admission_seq = itertools.count()
@@ -190,6 +205,7 @@ class Fleet:
             node.__dict__["_watch"] = self.eligibility_changed
             node.__dict__["_seen"] = self.silence
             node.__dict__["_tok"] = self.tokens_changed
+            node.__dict__["_status"] = self.status_changed
             self.tokens_changed.add(peer)  # sampled from its first count (0), as it joined
             self.silence.heard(peer, now)
             self._admitted[peer] = next(self._admission_seq)
@@ -262,7 +278,7 @@ class Fleet:
         self.prices.forget_tasks(self.dispatcher.in_flight)
         if now - self._ledger_saved >= LEDGER_SAVE_EVERY_S:
             self._ledger_saved = now
-            self.store.submit(HubStore.save_ledger, self.ledger.snapshot(now), now)
+            self.store.submit(save_accounts, self.ledger.frozen(now, self.ledger.save_set()))
         self.log_if_changed()
 
     def _admission_rank(self, peer: str) -> int:
@@ -419,6 +435,17 @@ class Fleet:
             log.info("activation: %d active, %d standby %s", len(self.activation.active),
                      len(self.nodes) - len(self.activation.active), self.last_activation)
 
+    def reactivate(self) -> None:
+        """The housekeeping's periodic decision: :meth:`activate`, unless it cannot change anything.
+        Not cost-aware (``activation = "all"``, or nothing trained yet) the active set is every
+        available node, which joins, pauses and leaves keep (:class:`ActiveSet`); rebuilding the
+        offers of every node to find that cost the loop ~25 ms every 5 s at 10,000 nodes
+        (/tmp profile of the hub at rest, `echo2 bench intake --clients`)."""
+        trained = self.trained()
+        if self.active is not None and not self.activation.cost_aware and not (self.cfg.activation != "all" and trained):
+            return
+        self.activate(trained=trained)
+
     def _offer(self, peer: str) -> Offer:
         return self.prices.offered(peer), self.dispatcher.measured_rate(peer)
 
@@ -442,8 +469,10 @@ class Fleet:
                 self.store.submit(HubStore.set_node_state, p, "standby")
         if first:  # before the first decision everyone could work: who is not active now changed
             self.eligibility_changed |= self.activation.active ^ set(self.nodes)
+            self.status_changed |= self.activation.active ^ set(self.nodes)
         else:
             self.eligibility_changed |= added | removed
+            self.status_changed |= added | removed
         self.active = self.activation.active
 
     def t_train(self) -> float:
@@ -495,12 +524,12 @@ class Fleet:
     def persist_job(self, step: int) -> Callable[[HubStore], None]:
         """Snapshot (on the loop) what a trained step persists of the fleet; the job writes it."""
         now = time.time()
-        ledger_rows = self.ledger.snapshot(now)
+        accounts = self.ledger.frozen(now, self.ledger.save_set())
         rates = {p: r for p in self.nodes if (r := self.dispatcher.measured_rate(p)) is not None}
         meta = self.capacity_meta() if step % 10 == 0 else None
 
         def write(st: HubStore) -> None:
-            st.save_ledger(ledger_rows, now)
+            save_accounts(st, accounts)
             for peer, rate in rates.items():
                 st.set_measured_rate(peer, rate)
             if meta is not None:
