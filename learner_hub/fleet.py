@@ -5,6 +5,7 @@ back to intake and training through ``on_ban``.
 
 from __future__ import annotations
 
+import heapq
 import itertools
 import logging
 import time
@@ -25,7 +26,7 @@ from .capacity import CapacityReport, NodeCapacity, capacity_report
 from .claims import ClaimLimits, PriceBook, claim_problem, overclaims
 from .config import HubConfig
 from .dispatch import Dispatcher
-from .ledger import MICRO, FrozenAccounts, Ledger, to_micro
+from .ledger import MICRO, AccountsView, Ledger, to_micro
 from .links import LinkBook
 from .publisher import PolicyPublisher
 from .reputation import Event, ReputationBook, ReputationConfig
@@ -34,7 +35,7 @@ from .storeworker import StoreWorker
 
 log = logging.getLogger(__name__)
 
-LEDGER_SAVE_EVERY_S = 10.0  # billed time is persisted this often (accepted results: at once)
+LEDGER_SAVE_EVERY_S = 10.0  # billed time is persisted this often (accepted results: at once; see Ledger.save_due)
 
 
 @dataclass
@@ -81,42 +82,43 @@ STATUS_FIELDS = frozenset({"held_version", "tasks_done", "rollouts", "tokens", "
 
 
 class SilenceOrder:
-    """Nodes in the order they were last heard from, oldest first: liveness pops the silent ones
-    off the front instead of checking every node each second. A time earlier than one already
-    recorded (a clock step, or a test) marks the order stale; the next check re-sorts it."""
+    """Liveness by deadline: a heap of (last heard, peer), so a check pops only the entries older
+    than the silence instead of looking at every node each second. A contact pushes a new entry
+    and leaves the old one stale (dropped when it reaches the top); a time earlier than the last
+    one (a clock step, a test) is just another entry. Was: a dict in contact order, iterated from
+    its front each second: after each node's reinsertion the front holds deleted slots that every
+    iteration steps over, O(fleet) a check at 10,000 nodes."""
 
     def __init__(self) -> None:
-        self._order: dict[str, None] = {}  # insertion order = last heard, oldest first
-        self._latest = float("-inf")
-        self.stale = False
+        self._at: dict[str, float] = {}  # each peer's last contact: the live heap entry
+        self._heap: list[tuple[float, str]] = []
 
     def heard(self, peer: str, at: float) -> None:
-        self._order.pop(peer, None)
-        self._order[peer] = None
-        if at < self._latest:
-            self.stale = True
-        self._latest = max(self._latest, at)
+        self._at[peer] = at
+        heapq.heappush(self._heap, (at, peer))
+        if len(self._heap) > 4 * len(self._at) + 1024:  # mostly stale entries: rebuilt, amortised O(1)
+            self._heap = [(t, p) for p, t in self._at.items()]
+            heapq.heapify(self._heap)
 
     def forget(self, peer: str) -> None:
-        self._order.pop(peer, None)
+        self._at.pop(peer, None)
 
     def silent(self, nodes: dict[str, NodeInfo], now: float, silence_s: float) -> list[str]:
-        if self.stale:
-            self._order = dict.fromkeys(sorted(self._order, key=lambda p: nodes[p].last_seen if p in nodes else 0.0))
-            self.stale = False
-        out = []
-        for p in self._order:
-            n = nodes.get(p)
-            if n is not None and now - n.last_seen <= silence_s:
-                break
-            if n is not None:
+        """The nodes not heard from for more than ``silence_s``, oldest contact first."""
+        out: list[str] = []
+        heap, at_of = self._heap, self._at
+        while heap and now - heap[0][0] > silence_s:
+            at, p = heapq.heappop(heap)
+            if at_of.get(p) == at and p in nodes and p not in out:
                 out.append(p)
+        for p in out:  # still silent, still known: the next check finds them again
+            heapq.heappush(heap, (at_of[p], p))
         return out
 
 
-def save_accounts(st: HubStore, accounts: FrozenAccounts) -> None:
+def save_accounts(st: HubStore, accounts: AccountsView) -> None:
     """The ledger's save, in the store's thread: rows of the accounts changed since the last save
-    and the active ones (the others' saved rows still hold), built here, not on the loop."""
+    and the active ones due (Ledger.save_due), built here, not on the loop."""
     st.save_ledger(accounts.rows(), accounts.now)
 
 
@@ -179,7 +181,6 @@ class Fleet:
                                   change_every_s=cfg.price_change_every_s)
         self.prices = PriceBook(self.claims)
         self._overclaim_punished: dict[str, float] = {}  # peer -> the claimed figure it was punished for
-        self._ledger_saved = 0.0
         self.links = LinkBook()  # what the hub observed of each node's links (A10)
 
     # --- admission -------------------------------------------------------------------------------
@@ -206,6 +207,7 @@ class Fleet:
             node.__dict__["_seen"] = self.silence
             node.__dict__["_tok"] = self.tokens_changed
             node.__dict__["_status"] = self.status_changed
+            self.status_changed.add(peer)  # its first entry
             self.tokens_changed.add(peer)  # sampled from its first count (0), as it joined
             self.silence.heard(peer, now)
             self._admitted[peer] = next(self._admission_seq)
@@ -276,9 +278,11 @@ class Fleet:
                 self._overclaim_punished[peer] = claim
                 self.punish(peer, Event.OVERCLAIM, f"claimed {claim:.3g} rollouts/s, measured {measured or 0.0:.3g}")
         self.prices.forget_tasks(self.dispatcher.in_flight)
-        if now - self._ledger_saved >= LEDGER_SAVE_EVERY_S:
-            self._ledger_saved = now
-            self.store.submit(save_accounts, self.ledger.frozen(now, self.ledger.save_set()))
+        # each account changed since the last save, and each billed one at least every
+        # LEDGER_SAVE_EVERY_S, spread over the seconds (Ledger.save_due)
+        to_save = self.ledger.save_due(now, LEDGER_SAVE_EVERY_S)
+        if to_save:
+            self.store.submit(save_accounts, self.ledger.view(now, to_save))
         self.log_if_changed()
 
     def _admission_rank(self, peer: str) -> int:
@@ -524,7 +528,7 @@ class Fleet:
     def persist_job(self, step: int) -> Callable[[HubStore], None]:
         """Snapshot (on the loop) what a trained step persists of the fleet; the job writes it."""
         now = time.time()
-        accounts = self.ledger.frozen(now, self.ledger.save_set())
+        accounts = self.ledger.view(now, self.ledger.save_due(now, LEDGER_SAVE_EVERY_S))
         rates = {p: r for p in self.nodes if (r := self.dispatcher.measured_rate(p)) is not None}
         meta = self.capacity_meta() if step % 10 == 0 else None
 

@@ -152,7 +152,7 @@ async def write_status_in_chunks(hub: Hub, path: Path, extra: dict[str, Any]) ->
     fleet.reputation.changed.clear()
     t0 = time.thread_time()
     todo = [live[p] for p in frags.select(now, peers, changed, (latest, hub.learner.version)) if p in live]
-    accounts = ledger.frozen(now, [n.peer_id for n in todo])
+    accounts = ledger.view(now, [n.peer_id for n in todo])
     base["ledger"] = ledger.totals(now).as_dict()
     loop_ms = (time.thread_time() - t0) * 1e3
     longest = 0.0  # the longest single C call (the GIL held throughout), CPU seconds
@@ -173,7 +173,13 @@ async def write_status_in_chunks(hub: Hub, path: Path, extra: dict[str, Any]) ->
                 row = rows.get(n.peer_id)
                 yield node_entry(hub, n, now, latest, row), row is not None and row.active and row.price_micro > 0
 
+        nonlocal peers
         frags.update(entries(), now)
+        rebuilt = frags.rebuilt
+        if late := frags.missing(peers):  # joined without being named in the changes: built now
+            frags.update(((node_entry(hub, n, now, latest), False) for p in late if (n := live.get(p)) is not None), now)
+            rebuilt += frags.rebuilt
+            peers = [p for p in peers if p in frags.text]  # gone meanwhile, never built: not listed
         t1 = time.thread_time()
         curves, curves_text = hub.curves.encoded()  # cached: rebuilt only when a point was added
         last_write["curves_cpu_ms"] = round((time.thread_time() - t1) * 1e3, 3)
@@ -182,10 +188,10 @@ async def write_status_in_chunks(hub: Hub, path: Path, extra: dict[str, Any]) ->
         except ValueError:
             head = timed(strict_json, json_safe(base))
         body = timed(frags.body, peers)
-        text = (head[:-1] + ", " if len(head) > 2 else "{") + '"curves": ' + curves_text + ', "nodes": ' + body + "}"
-        data = timed(text.encode)
+        start = (head[:-1] + ", " if len(head) > 2 else "{") + '"curves": ' + curves_text + ', "nodes": '
+        data = timed(b"".join, (start.encode(), body, b"}"))
         last_write["build_cpu_ms"] = round((time.thread_time() - t_build) * 1e3, 3)
-        last_write["entries_rebuilt"] = frags.rebuilt
+        last_write["entries_rebuilt"] = rebuilt
         atomic_write(path, data, durable=False)
         # the page and /metrics read the first nodes and the count by state, not 10,000 entries:
         # keeping those alive between writes would leave the collector more to scan on the loop

@@ -45,23 +45,24 @@ class NodeFragments:
 
     def __init__(self, refresh_s: float = REFRESH_S) -> None:
         self.refresh_s = refresh_s
-        self.text: dict[str, str] = {}
+        self.text: dict[str, bytes] = {}  # JSON, ASCII (json escapes the rest)
         self.entry: dict[str, dict[str, Any]] = {}
         self.state: dict[str, str] = {}
         self._due: list[tuple[float, str]] = []  # (refresh time, peer): entries that move with time
         self._due_at: dict[str, float] = {}  # the live heap entry of each peer (others are stale)
         self._key: Any = None  # the fleet-wide inputs of the entries at the last write
         self.rebuilt = 0  # entries built by the last update (the benches read it)
+        self._body: tuple[list[str], bytes] | None = None  # the last list joined, while no entry changed
 
     def select(self, now: float, present: Iterable[str], changed: Iterable[str], key: Any) -> set[str]:
-        """The nodes a write at ``now`` must rebuild (call on the loop: it reads nothing that a
-        write in progress changes). ``present``: the fleet's nodes; ``changed``: the nodes that
-        something happened to since the last write; ``key``: the fleet-wide inputs."""
+        """The nodes a write at ``now`` must rebuild (call on the loop, between writes).
+        ``present``: the fleet's nodes (all of them, when ``key`` changed); ``changed``: the nodes
+        that something happened to since the last write, joiners included (:meth:`missing`
+        catches one that was not named); ``key``: the fleet-wide inputs."""
         if key != self._key:
             self._key = key
             return set(present)
-        out = set(changed)
-        out |= set(present) - self.text.keys()  # joined since (C-level set operations: ~0.5 ms at 10,000)
+        out = set(changed)  # a node that joined is among them (the fleet marks it at admission)
         while self._due and self._due[0][0] <= now:
             at, p = heapq.heappop(self._due)
             if self._due_at.get(p) == at:
@@ -75,9 +76,9 @@ class NodeFragments:
         for e, billed in entries:
             p = e["peer_id"]
             try:  # strict JSON (a browser's JSON.parse refuses NaN); rarely needed, so tried second
-                t = strict_json(e)
+                t = strict_json(e).encode()
             except ValueError:
-                t = strict_json(json_safe(e))
+                t = strict_json(json_safe(e)).encode()
             self.text[p], self.entry[p], self.state[p] = t, e, e["state"]
             if moves_with_time(e, billed):
                 at = now + self.refresh_s
@@ -87,10 +88,25 @@ class NodeFragments:
                 self._due_at.pop(p, None)
             n += 1
         self.rebuilt = n
+        if n:
+            self._body = None
 
-    def body(self, peers: Sequence[str]) -> str:
-        """The JSON list of ``peers``' entries, in that order (each must have been built)."""
-        return "[" + ",".join(map(self.text.__getitem__, peers)) + "]"
+    def missing(self, peers: Sequence[str]) -> list[str]:
+        """Those of ``peers`` without an entry yet (none, when the changes named every joiner):
+        a C-level scan, ~0.1 ms at 10,000 nodes."""
+        if all(map(self.text.__contains__, peers)):
+            return []
+        return [p for p in peers if p not in self.text]
+
+    def body(self, peers: list[str]) -> bytes:
+        """The JSON list of ``peers``' entries, in that order (each must have been built). The
+        last one is reused while no entry changed and the list is the same (a C-level compare):
+        joining 10,000 entries (~4 MB) held the GIL ~5 ms a write on this machine."""
+        if self._body is not None and self._body[0] == peers:
+            return self._body[1]
+        out = b"[" + b",".join(map(self.text.__getitem__, peers)) + b"]"
+        self._body = (peers, out)
+        return out
 
     def states(self, peers: Sequence[str]) -> dict[str, int]:
         return dict(Counter(map(self.state.__getitem__, peers)))
