@@ -203,10 +203,16 @@ async def write_status_in_chunks(hub: Hub, path: Path, extra: dict[str, Any]) ->
     await trio.to_thread.run_sync(build_and_write)
     last_write["longest_stretch_ms"] = round(longest * 1e3, 3)
     last_write["loop_cpu_ms"] = round(loop_ms, 3)
+    for k in ("build_cpu_ms", "entries_rebuilt", "longest_stretch_ms", "loop_cpu_ms"):
+        write_max[k] = max(write_max.get(k, 0.0), last_write[k])
+    write_max["writes"] = write_max.get("writes", 0) + 1
 
 
-#: figures of the last chunked write (read by `echo2 bench intake`)
+#: figures of the last chunked write, and the largest of each since a reader cleared it (read by
+#: `echo2 bench intake`: ``build_cpu_ms`` the writer thread's CPU for entries, join and encoding;
+#: ``loop_cpu_ms`` the loop's share; ``longest_stretch_ms`` the longest single C call, GIL held)
 last_write: dict[str, float] = {}
+write_max: dict[str, float] = {}
 
 
 def edge_refusals(hub: Hub) -> Counter[str]:
