@@ -182,6 +182,7 @@ class Fleet:
         self.prices = PriceBook(self.claims)
         self._overclaim_punished: dict[str, float] = {}  # peer -> the claimed figure it was punished for
         self.links = LinkBook()  # what the hub observed of each node's links (A10)
+        self._busy_cache: tuple[tuple[int, int], float, float] | None = None  # predicted_busy_fraction_recent
 
     # --- admission -------------------------------------------------------------------------------
     async def admit(self, peer: str, join_token: str, announce: Announce, now: float) -> tuple[bool, str]:
@@ -509,6 +510,16 @@ class Fleet:
             return float(self.capacity_report().predicted_utilization)
         except ValueError:
             return 0.0
+
+    def predicted_busy_fraction_recent(self, now: float, max_age_s: float = 10.0) -> float:
+        """:meth:`predicted_busy_fraction` for the status, written every second: the capacity
+        model walks every node (O(fleet) on the loop once training has started), so it is
+        recomputed only after a step, a join or a leave, or ``max_age_s``."""
+        key = (len(self.figures.history), len(self.nodes))
+        cached = self._busy_cache
+        if cached is None or cached[0] != key or now - cached[1] >= max_age_s:
+            cached = self._busy_cache = (key, now, self.predicted_busy_fraction())
+        return cached[2]
 
     def capacity_meta(self) -> dict[str, Any]:
         return {

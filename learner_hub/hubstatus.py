@@ -52,7 +52,7 @@ def hub_status(hub: Hub, *, with_nodes: bool = True) -> dict[str, Any]:
         "task": hub.cfg.task,
         "wall_s": round(now - hub.started, 3),
         "learner_busy_fraction": tr.busy_fraction(),
-        "predicted_busy_fraction": fleet.predicted_busy_fraction(),
+        "predicted_busy_fraction": fleet.predicted_busy_fraction_recent(now),
         "t_train_s": tr.t_train(),
         "learner_memory": hub.memory_plan.as_dict(),
         "results_accepted": st.accepted,
