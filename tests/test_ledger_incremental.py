@@ -67,8 +67,8 @@ def test_save_due_is_changed_accounts_and_active_ones_by_deadline() -> None:
 
 
 def test_save_due_spreads_a_burst_of_active_accounts() -> None:
-    """1,000 accounts activated at once: at most 2 x 1,000 / 10 s per save afterwards, each saved
-    again within twice the period, and the saves of later periods spread out."""
+    """1,000 accounts activated at once: at most 1.1 x 1,000 / 10 s per save afterwards, each
+    saved again within twice the period, and the saves of later periods spread out."""
     led = Ledger()
     for i in range(1000):
         led.activate(f"p{i:04}", 0.0)
@@ -82,7 +82,8 @@ def test_save_due_spreads_a_burst_of_active_accounts() -> None:
             assert t - last[p] >= 10.0
             last[p] = float(t)
         assert all(t - v <= 20.0 for v in last.values())  # none waits more than twice the period
-    assert max(per_save) <= 256 and max(per_save[-20:]) <= 256 and sum(per_save[-10:]) == 1000
+    assert max(per_save) <= 110 and min(per_save[-20:]) >= 1  # ~100 a second, no second idle
+    assert 900 <= sum(per_save[-10:]) <= 1100  # each account about once per period
 
 
 def test_view_reads_each_account_when_its_rows_are_built() -> None:
