@@ -260,7 +260,7 @@ async def measure(hub: Any, n_nodes: int, n_results: int, n_holds: int, n_status
         res["holds_proc"].append(c.process_ms)
 
     build, block, write_wall, idle, stretch = [], [], [], [], []
-    write_loop = []
+    write_loop, writer_cpu, rebuilt = [], [], []
     for _ in range(n_status):
         with _Cpu() as c:
             hub.status()
@@ -268,6 +268,9 @@ async def measure(hub: Any, n_nodes: int, n_results: int, n_holds: int, n_status
         with _Cpu() as c:
             await hub.write_status()  # alone: the loop thread's CPU is the write's
         write_loop.append(c.loop_ms)
+        # the writer thread's CPU for the entries, the join and the encoding (status_nodes.py)
+        writer_cpu.append(hubstatus.last_write.get("build_cpu_ms", float("nan")))
+        rebuilt.append(hubstatus.last_write.get("entries_rebuilt", float("nan")))
         gaps: list[float] = []
         stop = trio.Event()
         async with trio.open_nursery() as nursery:
@@ -324,6 +327,7 @@ async def measure(hub: Any, n_nodes: int, n_results: int, n_holds: int, n_status
         "holds": {"loop_cpu_ms": _stats(res["holds_loop"]), "process_cpu_ms": _stats(res["holds_proc"])},
         "status": {"build_loop_cpu_ms": _stats(build), "write_loop_blocked_max_ms": _stats(block),
                    "write_wall_ms": _stats(write_wall), "write_loop_cpu_ms": _stats(write_loop),
+                   "write_thread_cpu_ms": _stats(writer_cpu), "write_entries_rebuilt": _stats(rebuilt),
                    "write_longest_stretch_cpu_ms": _stats(stretch), "curves_encode_cpu_ms": hubstatus.last_write.get("curves_cpu_ms"),
                    "idle_loop_gap_max_ms": _stats(idle), "bytes": status_bytes},
         "housekeeping": {"loop_cpu_ms": _stats(house)},
@@ -422,8 +426,10 @@ def run(args: argparse.Namespace) -> int:
                   f" (wall {r['wall_ms']['median']:.1f} ms; loop lag p99 {row['loop_lag_during_results']['loop_lag_p99_ms']} ms,"
                   f" max {row['loop_lag_during_results']['loop_lag_max_ms']} ms)"
                   f"  heartbeat {row['heartbeat']['loop_cpu_ms']['median']:.3f} ms  holds {row['holds']['loop_cpu_ms']['median']:.3f} ms"
-                  f"  status build {row['status']['build_loop_cpu_ms']['median']:.1f} ms,"
-                  f" write: loop CPU {row['status']['write_loop_cpu_ms']['median']:.1f} ms,"
+                  f"  status build (whole dict on the loop: Hub.status(), tests and the Ctrl-C write) {row['status']['build_loop_cpu_ms']['median']:.1f} ms,"
+                  f" periodic write: writer thread CPU {row['status']['write_thread_cpu_ms']['median']:.1f} ms"
+                  f" ({row['status']['write_entries_rebuilt']['median']:.0f} entries rebuilt),"
+                  f" loop CPU {row['status']['write_loop_cpu_ms']['median']:.1f} ms,"
                   f" loop blocked {row['status']['write_loop_blocked_max_ms']['median']:.1f} ms"
                   f" (idle {row['status']['idle_loop_gap_max_ms']['median']:.1f} ms,"
                   f" longest CPU stretch {row['status']['write_longest_stretch_cpu_ms']['median']:.1f} ms)"
