@@ -260,7 +260,7 @@ async def measure(hub: Any, n_nodes: int, n_results: int, n_holds: int, n_status
         res["holds_proc"].append(c.process_ms)
 
     build, block, write_wall, idle, stretch = [], [], [], [], []
-    write_loop = []
+    write_loop, writer_cpu, rebuilt = [], [], []
     for _ in range(n_status):
         with _Cpu() as c:
             hub.status()
@@ -268,6 +268,9 @@ async def measure(hub: Any, n_nodes: int, n_results: int, n_holds: int, n_status
         with _Cpu() as c:
             await hub.write_status()  # alone: the loop thread's CPU is the write's
         write_loop.append(c.loop_ms)
+        # the writer thread's CPU for the entries, the join and the encoding (status_nodes.py)
+        writer_cpu.append(hubstatus.last_write.get("build_cpu_ms", float("nan")))
+        rebuilt.append(hubstatus.last_write.get("entries_rebuilt", float("nan")))
         gaps: list[float] = []
         stop = trio.Event()
         async with trio.open_nursery() as nursery:
@@ -324,6 +327,7 @@ async def measure(hub: Any, n_nodes: int, n_results: int, n_holds: int, n_status
         "holds": {"loop_cpu_ms": _stats(res["holds_loop"]), "process_cpu_ms": _stats(res["holds_proc"])},
         "status": {"build_loop_cpu_ms": _stats(build), "write_loop_blocked_max_ms": _stats(block),
                    "write_wall_ms": _stats(write_wall), "write_loop_cpu_ms": _stats(write_loop),
+                   "write_thread_cpu_ms": _stats(writer_cpu), "write_entries_rebuilt": _stats(rebuilt),
                    "write_longest_stretch_cpu_ms": _stats(stretch), "curves_encode_cpu_ms": hubstatus.last_write.get("curves_cpu_ms"),
                    "idle_loop_gap_max_ms": _stats(idle), "bytes": status_bytes},
         "housekeeping": {"loop_cpu_ms": _stats(house)},
@@ -366,6 +370,25 @@ async def _measure_http(hub: Any, n: int) -> dict[str, Any]:
     return {"loop_cpu_ms": _stats(loop_ms), "loop_blocked_max_ms": _stats(blocked), "bytes": max(sizes, default=0)}
 
 
+def size_ratios(rows: list[dict[str, Any]], worker_counts: list[int]) -> dict[str, Any]:
+    """Result CPU at the largest fleet over the smallest, per intake worker count: dividing the
+    last row by the first mixed worker counts with ``--workers 0,2`` (10,000 nodes with 2
+    workers over 100 nodes with none). ``ratio_result_*_cpu`` keep the first worker count's."""
+    by: dict[str, dict[str, float]] = {}
+    for w in worker_counts:
+        mine = [r for r in rows if r["workers"] == w]
+        if len(mine) < 2:
+            continue
+        a, b = mine[0], mine[-1]
+        by[str(w)] = {k: round(b["result"][f"{k}_cpu_ms"]["median"] / max(a["result"][f"{k}_cpu_ms"]["median"], 1e-9), 3)
+                      for k in ("loop", "process")}
+    out: dict[str, Any] = {"ratio_result_cpu_by_size": by}
+    first = by.get(str(worker_counts[0]))
+    if first is not None:
+        out["ratio_result_loop_cpu"], out["ratio_result_process_cpu"] = first["loop"], first["process"]
+    return out
+
+
 def run(args: argparse.Namespace) -> int:
     import logging
 
@@ -403,8 +426,10 @@ def run(args: argparse.Namespace) -> int:
                   f" (wall {r['wall_ms']['median']:.1f} ms; loop lag p99 {row['loop_lag_during_results']['loop_lag_p99_ms']} ms,"
                   f" max {row['loop_lag_during_results']['loop_lag_max_ms']} ms)"
                   f"  heartbeat {row['heartbeat']['loop_cpu_ms']['median']:.3f} ms  holds {row['holds']['loop_cpu_ms']['median']:.3f} ms"
-                  f"  status build {row['status']['build_loop_cpu_ms']['median']:.1f} ms,"
-                  f" write: loop CPU {row['status']['write_loop_cpu_ms']['median']:.1f} ms,"
+                  f"  status build (whole dict on the loop: Hub.status(), tests and the Ctrl-C write) {row['status']['build_loop_cpu_ms']['median']:.1f} ms,"
+                  f" periodic write: writer thread CPU {row['status']['write_thread_cpu_ms']['median']:.1f} ms"
+                  f" ({row['status']['write_entries_rebuilt']['median']:.0f} entries rebuilt),"
+                  f" loop CPU {row['status']['write_loop_cpu_ms']['median']:.1f} ms,"
                   f" loop blocked {row['status']['write_loop_blocked_max_ms']['median']:.1f} ms"
                   f" (idle {row['status']['idle_loop_gap_max_ms']['median']:.1f} ms,"
                   f" longest CPU stretch {row['status']['write_longest_stretch_cpu_ms']['median']:.1f} ms)"
@@ -439,12 +464,9 @@ def run(args: argparse.Namespace) -> int:
                         r["result"]["process_cpu_ms"]["median"] / max(base["result"]["process_cpu_ms"]["median"], 1e-9), 3)
         print(f"hub process CPU per result, workers ratio: {out['ratio_result_process_cpu_by_workers']}")
     if len(sizes) >= 2:
-        a, b = rows[0], rows[-1]
-        out["ratio_result_loop_cpu"] = round(b["result"]["loop_cpu_ms"]["median"] / max(a["result"]["loop_cpu_ms"]["median"], 1e-9), 3)
-        out["ratio_result_process_cpu"] = round(
-            b["result"]["process_cpu_ms"]["median"] / max(a["result"]["process_cpu_ms"]["median"], 1e-9), 3)
-        print(f"result CPU ratio {b['nodes']} / {a['nodes']} nodes: loop {out['ratio_result_loop_cpu']}, "
-              f"process {out['ratio_result_process_cpu']}")
+        out |= size_ratios(rows, worker_counts)
+        for w, r in out["ratio_result_cpu_by_size"].items():
+            print(f"result CPU ratio {sizes[-1]} / {sizes[0]} nodes, workers={w}: loop {r['loop']}, process {r['process']}")
     if args.json:
         Path(args.json).write_text(json.dumps(out, indent=2))
     return 0

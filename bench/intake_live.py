@@ -120,6 +120,7 @@ def _hub_proc(n: int, batch: int, workdir: str, cmd: Any, out: Any, workers: int
 async def _hub_main(hub: Any, n: int, cmd: Any, out: Any) -> None:
     import trio
 
+    from echo2.learner_hub import hubstatus
     from echo2.learner_hub.store import HubStore
     from echo2.looplag import LoopLag
     from echo2.protocol import envelope
@@ -178,7 +179,10 @@ async def _hub_main(hub: Any, n: int, cmd: Any, out: Any) -> None:
             if what == "lag":  # the last phase's loop lag, and a fresh ticker for the next
                 out.put(lag.report() | {"accepted": hub.dispatcher.stats.accepted,
                                         "refused": dict(hub.dispatcher.stats.refused_by_reason),
-                                        "channel_refusals": dict(refusals)})
+                                        "channel_refusals": dict(refusals),
+                                        # the phase's largest status write figures (hubstatus.write_max)
+                                        "status_write_max": dict(hubstatus.write_max)})
+                hubstatus.write_max.clear()
                 lag_scope.cancel()
                 lag, lag_scope = LoopLag(), trio.CancelScope()
                 nursery.start_soon(run_lag, lag_scope, lag)
@@ -414,6 +418,7 @@ def run_size(n: int, clients: int, batch: int, duration_s: float, idle_s: float,
             "first_error": counts.get("first_error", {}),
             "loop_lag_p99_ms": lag_r["loop_lag_p99_ms"], "loop_lag_max_ms": lag_r["loop_lag_max_ms"],
             "hub_refused_by_reason": lag_r["refused"], "channel_refusals": lag_r["channel_refusals"],
+            "status_write_max": lag_r["status_write_max"],
         },
         "heartbeats": {
             "answered": hbs, "with_task": hb_counts.get("heartbeats_with_task", 0), "wall_s": round(wall_h, 2),
@@ -423,6 +428,11 @@ def run_size(n: int, clients: int, batch: int, duration_s: float, idle_s: float,
         },
         "hub_rss_mb": round(rss, 1),
     }
+
+
+def _status_line(m: dict[str, float]) -> str:
+    return (f"writer {m.get('build_cpu_ms')} ms CPU, loop {m.get('loop_cpu_ms')} ms, longest GIL stretch"
+            f" {m.get('longest_stretch_ms')} ms, {m.get('entries_rebuilt')} entries rebuilt")
 
 
 def run_live(args: argparse.Namespace) -> int:
@@ -439,7 +449,9 @@ def run_live(args: argparse.Namespace) -> int:
                   f" hub process alone {r['hub_process_cpu_ms_per_result']}),"
                   f" {h['hub_cpu_ms_per_heartbeat']} ms/heartbeat (net {h['hub_cpu_ms_per_heartbeat_net']});"
                   f" loop lag p99 {r['loop_lag_p99_ms']} / {h['loop_lag_p99_ms']} ms, max {r['loop_lag_max_ms']} /"
-                  f" {h['loop_lag_max_ms']} ms; idle {row['idle']['hub_cpu_ms_per_s']} ms/s; RSS {row['hub_rss_mb']} MB;"
+                  f" {h['loop_lag_max_ms']} ms; idle {row['idle']['hub_cpu_ms_per_s']} ms/s (loop lag p99"
+                  f" {row['idle']['loop_lag_p99_ms']} ms, max {row['idle']['loop_lag_max_ms']} ms);"
+                  f" status write max: {_status_line(r['status_write_max'])}; RSS {row['hub_rss_mb']} MB;"
                   f" refused {r['refused']} errors {r['errors']} (admit {row['setup']['admit_s']} s)", flush=True)
     result: dict[str, Any] = {
         "bench": "intake", "mode": "live",

@@ -5,6 +5,7 @@ back to intake and training through ``on_ban``.
 
 from __future__ import annotations
 
+import heapq
 import itertools
 import logging
 import time
@@ -25,7 +26,7 @@ from .capacity import CapacityReport, NodeCapacity, capacity_report
 from .claims import ClaimLimits, PriceBook, claim_problem, overclaims
 from .config import HubConfig
 from .dispatch import Dispatcher
-from .ledger import MICRO, Ledger, to_micro
+from .ledger import MICRO, AccountsView, Ledger, to_micro
 from .links import LinkBook
 from .publisher import PolicyPublisher
 from .reputation import Event, ReputationBook, ReputationConfig
@@ -34,7 +35,7 @@ from .storeworker import StoreWorker
 
 log = logging.getLogger(__name__)
 
-LEDGER_SAVE_EVERY_S = 10.0  # billed time is persisted this often (accepted results: at once)
+LEDGER_SAVE_EVERY_S = 10.0  # billed time is persisted this often (accepted results: at once; see Ledger.save_due)
 
 
 @dataclass
@@ -70,40 +71,55 @@ class NodeInfo:
             tok = self.__dict__.get("_tok")
             if tok is not None:
                 tok.add(self.peer_id)
+        if name in STATUS_FIELDS:  # status.json re-encodes only the entries that changed (status_nodes.py)
+            st = self.__dict__.get("_status")
+            if st is not None:
+                st.add(self.peer_id)
+
+
+#: the NodeInfo fields that status.json's entry of a node shows
+STATUS_FIELDS = frozenset({"held_version", "tasks_done", "rollouts", "tokens", "refused", "paused", "announce"})
 
 
 class SilenceOrder:
-    """Nodes in the order they were last heard from, oldest first: liveness pops the silent ones
-    off the front instead of checking every node each second. A time earlier than one already
-    recorded (a clock step, or a test) marks the order stale; the next check re-sorts it."""
+    """Liveness by deadline: a heap of (last heard, peer), so a check pops only the entries older
+    than the silence instead of looking at every node each second. A contact pushes a new entry
+    and leaves the old one stale (dropped when it reaches the top); a time earlier than the last
+    one (a clock step, a test) is just another entry. Was: a dict in contact order, iterated from
+    its front each second: after each node's reinsertion the front holds deleted slots that every
+    iteration steps over, O(fleet) a check at 10,000 nodes."""
 
     def __init__(self) -> None:
-        self._order: dict[str, None] = {}  # insertion order = last heard, oldest first
-        self._latest = float("-inf")
-        self.stale = False
+        self._at: dict[str, float] = {}  # each peer's last contact: the live heap entry
+        self._heap: list[tuple[float, str]] = []
 
     def heard(self, peer: str, at: float) -> None:
-        self._order.pop(peer, None)
-        self._order[peer] = None
-        if at < self._latest:
-            self.stale = True
-        self._latest = max(self._latest, at)
+        self._at[peer] = at
+        heapq.heappush(self._heap, (at, peer))
+        if len(self._heap) > 4 * len(self._at) + 1024:  # mostly stale entries: rebuilt, amortised O(1)
+            self._heap = [(t, p) for p, t in self._at.items()]
+            heapq.heapify(self._heap)
 
     def forget(self, peer: str) -> None:
-        self._order.pop(peer, None)
+        self._at.pop(peer, None)
 
     def silent(self, nodes: dict[str, NodeInfo], now: float, silence_s: float) -> list[str]:
-        if self.stale:
-            self._order = dict.fromkeys(sorted(self._order, key=lambda p: nodes[p].last_seen if p in nodes else 0.0))
-            self.stale = False
-        out = []
-        for p in self._order:
-            n = nodes.get(p)
-            if n is not None and now - n.last_seen <= silence_s:
-                break
-            if n is not None:
+        """The nodes not heard from for more than ``silence_s``, oldest contact first."""
+        out: list[str] = []
+        heap, at_of = self._heap, self._at
+        while heap and now - heap[0][0] > silence_s:
+            at, p = heapq.heappop(heap)
+            if at_of.get(p) == at and p in nodes and p not in out:
                 out.append(p)
+        for p in out:  # still silent, still known: the next check finds them again
+            heapq.heappush(heap, (at_of[p], p))
         return out
+
+
+def save_accounts(st: HubStore, accounts: AccountsView) -> None:
+    """The ledger's save, in the store's thread: rows of the accounts changed since the last save
+    and the active ones due (Ledger.save_due), built here, not on the loop."""
+    st.save_ledger(accounts.rows(), accounts.now)
 
 
 class TrainingFigures(Protocol):
@@ -143,6 +159,7 @@ class Fleet:
         self.eligibility_changed: set[str] = set()
         self.silence = SilenceOrder()
         self.tokens_changed: set[str] = set()  # nodes whose token count changed since curves sampled it
+        self.status_changed: set[str] = set()  # nodes whose status entry may have changed since the last write
         self._claim_changed: set[str] = set()  # announced claims since the last tick
         self._admitted: dict[str, int] = {}  # peer -> admission number (the order of self.nodes)
         self._admission_seq = itertools.count()
@@ -164,8 +181,8 @@ class Fleet:
                                   change_every_s=cfg.price_change_every_s)
         self.prices = PriceBook(self.claims)
         self._overclaim_punished: dict[str, float] = {}  # peer -> the claimed figure it was punished for
-        self._ledger_saved = 0.0
         self.links = LinkBook()  # what the hub observed of each node's links (A10)
+        self._busy_cache: tuple[tuple[int, int], float, float] | None = None  # predicted_busy_fraction_recent
 
     # --- admission -------------------------------------------------------------------------------
     async def admit(self, peer: str, join_token: str, announce: Announce, now: float) -> tuple[bool, str]:
@@ -190,6 +207,8 @@ class Fleet:
             node.__dict__["_watch"] = self.eligibility_changed
             node.__dict__["_seen"] = self.silence
             node.__dict__["_tok"] = self.tokens_changed
+            node.__dict__["_status"] = self.status_changed
+            self.status_changed.add(peer)  # its first entry
             self.tokens_changed.add(peer)  # sampled from its first count (0), as it joined
             self.silence.heard(peer, now)
             self._admitted[peer] = next(self._admission_seq)
@@ -260,9 +279,11 @@ class Fleet:
                 self._overclaim_punished[peer] = claim
                 self.punish(peer, Event.OVERCLAIM, f"claimed {claim:.3g} rollouts/s, measured {measured or 0.0:.3g}")
         self.prices.forget_tasks(self.dispatcher.in_flight)
-        if now - self._ledger_saved >= LEDGER_SAVE_EVERY_S:
-            self._ledger_saved = now
-            self.store.submit(HubStore.save_ledger, self.ledger.snapshot(now), now)
+        # each account changed since the last save, and each billed one at least every
+        # LEDGER_SAVE_EVERY_S, spread over the seconds (Ledger.save_due)
+        to_save = self.ledger.save_due(now, LEDGER_SAVE_EVERY_S)
+        if to_save:
+            self.store.submit(save_accounts, self.ledger.view(now, to_save))
         self.log_if_changed()
 
     def _admission_rank(self, peer: str) -> int:
@@ -419,6 +440,17 @@ class Fleet:
             log.info("activation: %d active, %d standby %s", len(self.activation.active),
                      len(self.nodes) - len(self.activation.active), self.last_activation)
 
+    def reactivate(self) -> None:
+        """The housekeeping's periodic decision: :meth:`activate`, unless it cannot change anything.
+        Not cost-aware (``activation = "all"``, or nothing trained yet) the active set is every
+        available node, which joins, pauses and leaves keep (:class:`ActiveSet`); rebuilding the
+        offers of every node to find that cost the loop ~25 ms every 5 s at 10,000 nodes
+        (/tmp profile of the hub at rest, `echo2 bench intake --clients`)."""
+        trained = self.trained()
+        if self.active is not None and not self.activation.cost_aware and not (self.cfg.activation != "all" and trained):
+            return
+        self.activate(trained=trained)
+
     def _offer(self, peer: str) -> Offer:
         return self.prices.offered(peer), self.dispatcher.measured_rate(peer)
 
@@ -442,8 +474,10 @@ class Fleet:
                 self.store.submit(HubStore.set_node_state, p, "standby")
         if first:  # before the first decision everyone could work: who is not active now changed
             self.eligibility_changed |= self.activation.active ^ set(self.nodes)
+            self.status_changed |= self.activation.active ^ set(self.nodes)
         else:
             self.eligibility_changed |= added | removed
+            self.status_changed |= added | removed
         self.active = self.activation.active
 
     def t_train(self) -> float:
@@ -477,6 +511,16 @@ class Fleet:
         except ValueError:
             return 0.0
 
+    def predicted_busy_fraction_recent(self, now: float, max_age_s: float = 10.0) -> float:
+        """:meth:`predicted_busy_fraction` for the status, written every second: the capacity
+        model walks every node (O(fleet) on the loop once training has started), so it is
+        recomputed only after a step, a join or a leave, or ``max_age_s``."""
+        key = (len(self.figures.history), len(self.nodes))
+        cached = self._busy_cache
+        if cached is None or cached[0] != key or now - cached[1] >= max_age_s:
+            cached = self._busy_cache = (key, now, self.predicted_busy_fraction())
+        return cached[2]
+
     def capacity_meta(self) -> dict[str, Any]:
         return {
             "batch": self.cfg.prompts_per_step * self.cfg.group_size,
@@ -495,12 +539,12 @@ class Fleet:
     def persist_job(self, step: int) -> Callable[[HubStore], None]:
         """Snapshot (on the loop) what a trained step persists of the fleet; the job writes it."""
         now = time.time()
-        ledger_rows = self.ledger.snapshot(now)
+        accounts = self.ledger.view(now, self.ledger.save_due(now, LEDGER_SAVE_EVERY_S))
         rates = {p: r for p in self.nodes if (r := self.dispatcher.measured_rate(p)) is not None}
         meta = self.capacity_meta() if step % 10 == 0 else None
 
         def write(st: HubStore) -> None:
-            st.save_ledger(ledger_rows, now)
+            save_accounts(st, accounts)
             for peer, rate in rates.items():
                 st.set_measured_rate(peer, rate)
             if meta is not None:

@@ -71,6 +71,7 @@ from .rewards import RewardRunner, Scored, TrainerState, apply_scores, batch_of,
 from .rows import Group, encode_groups
 from .serve import serve
 from .status_http import StatusSnapshot
+from .status_nodes import NodeFragments
 from .store import HubStore
 from .storeworker import StoreWorker
 from .tracking import Tracker, report_targets
@@ -146,6 +147,7 @@ class Hub:
         self.loop_lag = LoopLag()
         self.curves = HubCurves()  # the status page's curves (curves.py)
         self.status_snapshot: StatusSnapshot | None = None  # the last status written (the HTTP server serves it)
+        self.status_nodes = NodeFragments()  # status.json's per-node entries, re-encoded where they changed
         self.started = self.trainer.started
         self.done, self.finished = trio.Event(), False
         self._status_lock: trio.Lock | None = None
@@ -402,7 +404,7 @@ class Hub:
             tick += 1
             now = time.time()
             if tick % 5 == 0:
-                self.fleet.activate()
+                self.fleet.reactivate()
             # bans and pardons made with the CLI while the hub runs reach the data plane's check
             self.fleet.banned = await self.store.call(HubStore.banned)
             expired = self.intake.expire(now)

@@ -1,13 +1,13 @@
 """The hub's status: one dict for status.json, the status page and /metrics.
 
 Built on the loop (it reads live state), serialized and written in a thread: the loop never
-waits on json or the disk for it. The periodic write (:func:`write_status_in_chunks`) builds the
-per-node parts in its thread too and encodes them a few hundred at a time: at 10,000 nodes
-building them took the loop ~100 ms and encoding them in one ``json.dumps`` (which holds the
-GIL, thread or not) kept the loop from running for ~330 ms (`echo2 bench intake`). The curves
-are encoded there too, and only when a point was added (curves.py). What it wrote is kept in
-memory (:class:`StatusSnapshot`): the HTTP server serves that, never a status built on the loop
-(148 ms of the loop per request at 10,000 nodes).
+waits on json or the disk for it. The periodic write (:func:`write_status_in_chunks`) rebuilds
+only the per-node entries that changed (status_nodes.py) and joins the others' cached JSON: at
+10,000 nodes rebuilding and encoding every entry each second cost its thread 200-240 ms of CPU a
+second with the GIL held, which was the loop's lag at rest. The ledger's totals are running sums
+(ledger.py). The curves are encoded there too, and only when a point was added (curves.py). What
+it wrote is kept in memory (:class:`StatusSnapshot`): the HTTP server serves that, never a status
+built on the loop (148 ms of the loop per request at 10,000 nodes).
 """
 
 from __future__ import annotations
@@ -15,15 +15,16 @@ from __future__ import annotations
 import json
 import time
 from collections import Counter
+from collections.abc import Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Any
 
 import trio
 
 from echo2.fsutil import atomic_write
 
-from .ledger import totals_of
 from .status_http import StatusSnapshot, json_safe
+from .status_nodes import strict_json
 
 if TYPE_CHECKING:
     from .fleet import NodeInfo
@@ -31,7 +32,6 @@ if TYPE_CHECKING:
     from .ledger import AccountRow
 
 
-NODES_PER_CHUNK = 250  # one json.dumps of 250 entries: ~0.5 ms of GIL on this machine
 PAGE_NODES = 200  # the status page's fleet table shows this many nodes (status_http.render_tables)
 
 
@@ -52,7 +52,7 @@ def hub_status(hub: Hub, *, with_nodes: bool = True) -> dict[str, Any]:
         "task": hub.cfg.task,
         "wall_s": round(now - hub.started, 3),
         "learner_busy_fraction": tr.busy_fraction(),
-        "predicted_busy_fraction": fleet.predicted_busy_fraction(),
+        "predicted_busy_fraction": fleet.predicted_busy_fraction_recent(now),
         "t_train_s": tr.t_train(),
         "learner_memory": hub.memory_plan.as_dict(),
         "results_accepted": st.accepted,
@@ -98,9 +98,11 @@ def hub_status(hub: Hub, *, with_nodes: bool = True) -> dict[str, Any]:
     return out
 
 
-def node_entry(hub: Hub, n: NodeInfo, now: float, latest: int) -> dict[str, Any]:
+def node_entry(hub: Hub, n: NodeInfo, now: float, latest: int, account: AccountRow | None | bool = True) -> dict[str, Any]:
+    """``n``'s entry in status.json; ``account``: its ledger row as of ``now`` (True: read it here)."""
     fleet, tr = hub.fleet, hub.trainer
     rows = tr.trained_rows[n.peer_id]
+    row = hub.ledger.row(n.peer_id, now) if account is True else account
     return {
         "peer_id": n.peer_id,
         "held_version": n.held_version,
@@ -117,70 +119,100 @@ def node_entry(hub: Hub, n: NodeInfo, now: float, latest: int) -> dict[str, Any]
         "reputation": round(fleet.reputation.score(n.peer_id), 4),
         "state": "paused" if n.paused else "active" if fleet.active is None or n.peer_id in fleet.active else "standby",
         "paused": n.paused,
-        "cost_usd": _cost(hub.ledger.row(n.peer_id, now)),
+        "cost_usd": _cost(row),
+        # when this entry was built: an entry is rebuilt when its node changes, and at most
+        # status_nodes.REFRESH_S after the last build when its rates or cost move with time
+        "as_of": round(now, 3),
     }
 
 
 async def write_status_in_chunks(hub: Hub, path: Path, extra: dict[str, Any]) -> None:
     """status.json as :func:`hub_status` | ``extra`` has it, without holding the loop. The loop
-    builds the fleet-wide part and snapshots the lists of nodes and ledger accounts; a thread
-    builds the per-node entries and ledger totals and encodes them a chunk at a time.
+    builds the fleet-wide part, picks the nodes whose entries must be rebuilt (status_nodes.py:
+    those that changed, those whose figures move with time and are due, all on a new version or
+    step) and copies their ledger accounts; a thread builds and encodes those entries and joins
+    every node's cached text into the file.
 
-    Why a thread may read live state here: it only reads, the lists it walks are the loop's
-    snapshots, and each live figure it reads is one attribute or one dict lookup or copy, which
-    the GIL makes atomic (a node that leaves meanwhile is still listed, as it was at the snapshot).
-    Its Python code gives the GIL back to the loop every switch interval (5 ms); ``json.dumps``
-    does not, so it encodes one chunk per call.
+    Why a thread may read live state here: it only reads, the node records it walks are the
+    loop's snapshot, and each live figure it reads is one attribute or one dict lookup or copy,
+    which the GIL makes atomic (a node that leaves meanwhile is still listed, as it was at the
+    snapshot). Its Python code gives the GIL back to the loop every switch interval (5 ms); one
+    entry's encoding, the join and the file's encoding are single C calls (``longest_stretch_ms``).
     """
     base = hub_status(hub, with_nodes=False) | extra
     now = time.time()
     base["written_at"] = round(now, 3)
     latest = hub.publisher.latest_version
-    nodes, peers = list(hub.fleet.nodes.values()), hub.ledger.peers()
-    longest = 0.0  # the longest json.dumps (the GIL held throughout), CPU seconds
+    fleet, frags, ledger = hub.fleet, hub.status_nodes, hub.ledger
+    live = fleet.nodes
+    peers = list(live)  # the file's order: admission order
+    changed = fleet.status_changed | ledger.touched | fleet.reputation.changed
+    fleet.status_changed.clear()  # in place: each NodeInfo holds this set
+    ledger.touched.clear()
+    fleet.reputation.changed.clear()
+    t0 = time.thread_time()
+    todo = [live[p] for p in frags.select(now, peers, changed, (latest, hub.learner.version)) if p in live]
+    accounts = ledger.view(now, [n.peer_id for n in todo])
+    base["ledger"] = ledger.totals(now).as_dict()
+    loop_ms = (time.thread_time() - t0) * 1e3
+    longest = 0.0  # the longest single C call (the GIL held throughout), CPU seconds
 
-    def encode(c: Any) -> str:
+    def timed(f: Any, *a: Any) -> Any:
         nonlocal longest
-        t0 = time.thread_time()
-        try:  # strict JSON (a browser's JSON.parse refuses NaN); rarely needed, so tried second
-            out = json.dumps(c, allow_nan=False, default=str)
-        except ValueError:
-            out = json.dumps(json_safe(c), allow_nan=False, default=str)
-        longest = max(longest, time.thread_time() - t0)
+        t = time.thread_time()
+        out = f(*a)
+        longest = max(longest, time.thread_time() - t)
         return out
 
     def build_and_write() -> None:
-        body: list[str] = []
-        shown: list[dict[str, Any]] = []
-        states: Counter[str] = Counter()
-        for i in range(0, len(nodes), NODES_PER_CHUNK):
-            chunk = [node_entry(hub, n, now, latest) for n in nodes[i:i + NODES_PER_CHUNK]]
-            shown += chunk[:max(0, PAGE_NODES - len(shown))]
-            states.update(e["state"] for e in chunk)
-            text = encode(chunk)
-            if len(text) > 2:
-                body.append(text[1:-1])
-        rows = cast("list[AccountRow]", [r for p in peers if (r := hub.ledger.row(p, now)) is not None])
-        base.pop("nodes", None)
-        base["ledger"] = totals_of(rows).as_dict()
-        t0 = time.thread_time()
+        t_build = time.thread_time()
+        rows = {r.peer_id: r for r in accounts.rows()}
+
+        def entries() -> Iterator[tuple[dict[str, Any], bool]]:
+            for n in todo:
+                row = rows.get(n.peer_id)
+                yield node_entry(hub, n, now, latest, row), row is not None and row.active and row.price_micro > 0
+
+        nonlocal peers
+        frags.update(entries(), now)
+        rebuilt = frags.rebuilt
+        if late := frags.missing(peers):  # joined without being named in the changes: built now
+            frags.update(((node_entry(hub, n, now, latest), False) for p in late if (n := live.get(p)) is not None), now)
+            rebuilt += frags.rebuilt
+            peers = [p for p in peers if p in frags.text]  # gone meanwhile, never built: not listed
+        t1 = time.thread_time()
         curves, curves_text = hub.curves.encoded()  # cached: rebuilt only when a point was added
-        last_write["curves_cpu_ms"] = round((time.thread_time() - t0) * 1e3, 3)
-        head = encode(base)
-        text = (head[:-1] + ", " if len(head) > 2 else "{") + '"curves": ' + curves_text + ', "nodes": [' + ",".join(body) + "]}"
-        data = text.encode()
+        last_write["curves_cpu_ms"] = round((time.thread_time() - t1) * 1e3, 3)
+        try:  # strict JSON (a browser's JSON.parse refuses NaN); rarely needed, so tried second
+            head = timed(strict_json, base)
+        except ValueError:
+            head = timed(strict_json, json_safe(base))
+        body = timed(frags.body, peers)
+        start = (head[:-1] + ", " if len(head) > 2 else "{") + '"curves": ' + curves_text + ', "nodes": '
+        data = timed(b"".join, (start.encode(), body, b"}"))
+        last_write["build_cpu_ms"] = round((time.thread_time() - t_build) * 1e3, 3)
+        last_write["entries_rebuilt"] = rebuilt
         atomic_write(path, data, durable=False)
         # the page and /metrics read the first nodes and the count by state, not 10,000 entries:
         # keeping those alive between writes would leave the collector more to scan on the loop
-        page = base | {"curves": curves, "nodes": shown, "node_count": len(nodes), "node_states": dict(states)}
+        page = base | {"curves": curves, "nodes": frags.first(peers, PAGE_NODES), "node_count": len(peers),
+                       "node_states": frags.states(peers)}
         hub.status_snapshot = StatusSnapshot(data, page, now)
+        frags.forget_absent(peers)
 
     await trio.to_thread.run_sync(build_and_write)
     last_write["longest_stretch_ms"] = round(longest * 1e3, 3)
+    last_write["loop_cpu_ms"] = round(loop_ms, 3)
+    for k in ("build_cpu_ms", "entries_rebuilt", "longest_stretch_ms", "loop_cpu_ms"):
+        write_max[k] = max(write_max.get(k, 0.0), last_write[k])
+    write_max["writes"] = write_max.get("writes", 0) + 1
 
 
-#: figures of the last chunked write (read by `echo2 bench intake`)
+#: figures of the last chunked write, and the largest of each since a reader cleared it (read by
+#: `echo2 bench intake`: ``build_cpu_ms`` the writer thread's CPU for entries, join and encoding;
+#: ``loop_cpu_ms`` the loop's share; ``longest_stretch_ms`` the longest single C call, GIL held)
 last_write: dict[str, float] = {}
+write_max: dict[str, float] = {}
 
 
 def edge_refusals(hub: Hub) -> Counter[str]:

@@ -98,6 +98,7 @@ class ReputationBook:
     def __init__(self, config: ReputationConfig | None = None) -> None:
         self.config = config or ReputationConfig()
         self._nodes: dict[str, NodeReputation] = {}
+        self.changed: set[str] = set()  # peers with an event since the status last read them
 
     def get(self, peer_id: str) -> NodeReputation:
         r = self._nodes.get(peer_id)
@@ -121,6 +122,7 @@ class ReputationBook:
         would do). ``CORRUPT_RELAY`` is the hub's own evidence and bans at once."""
         c = self.config
         r = self.get(peer_id)
+        self.changed.add(peer_id)
         ban: str | None = None
         if event is Event.ACCEPTED:
             r.accepted += 1

@@ -66,3 +66,15 @@ def test_bench_intake_live_small_fleet(tmp_path: Path) -> None:
     # /proc counts CPU in 10 ms ticks: a few heartbeats may read as none
     assert h["hub_cpu_ms_per_heartbeat"] is not None and h["hub_cpu_ms_per_heartbeat"] >= 0
     assert row["hub_rss_mb"] > 0 and r["loop_lag_max_ms"] >= r["loop_lag_p99_ms"] >= 0
+
+
+def test_size_ratio_is_per_worker_count() -> None:
+    """``--nodes 100,10000 --workers 0,2``: each worker count's 10,000-node row over its own
+    100-node row (the last row over the first mixed 2 workers with none)."""
+    def row(n: int, w: int, loop: float, proc: float) -> dict[str, object]:
+        return {"nodes": n, "workers": w, "result": {"loop_cpu_ms": {"median": loop}, "process_cpu_ms": {"median": proc}}}
+
+    rows = [row(100, 0, 2.0, 4.0), row(100, 2, 1.0, 1.0), row(10000, 0, 3.0, 6.0), row(10000, 2, 1.5, 3.0)]
+    out = bench_intake.size_ratios(rows, [0, 2])
+    assert out["ratio_result_cpu_by_size"] == {"0": {"loop": 1.5, "process": 1.5}, "2": {"loop": 1.5, "process": 3.0}}
+    assert (out["ratio_result_loop_cpu"], out["ratio_result_process_cpu"]) == (1.5, 1.5)
