@@ -27,7 +27,7 @@ import trio
 from echo2.keyfile import load_or_create_identity
 from echo2.looplag import LoopLag
 from echo2.protocol import envelope, holdsproof
-from echo2.protocol.errors import Echo2Error, MeaningError, NotAdmitted
+from echo2.protocol.errors import MeaningError, NotAdmitted
 from echo2.protocol.messages import (
     AdmissionDecision,
     AdmissionRequest,
@@ -40,7 +40,6 @@ from echo2.protocol.messages import (
     NodePause,
     Receipt,
     RelayReport,
-    Task,
     TaskDecline,
 )
 from echo2.protocol.net.channel import ChannelServer
@@ -248,7 +247,7 @@ class Hub:
                 await node.wakeup.wait()
         node.last_seen = time.time()
         if node.mailbox:
-            return node.mailbox.popleft()
+            return self.outbox.seal(node.mailbox.popleft())
         return envelope.seal(self.identity, ErrorReply(code="no_work", message="no work right now"))
 
     async def on_result(self, peer: str, data: bytes) -> bytes:
@@ -337,11 +336,8 @@ class Hub:
         node = self.nodes[peer]
         self.fleet.set_paused(peer, p.paused, f"{p.reason_code}: {p.reason}" if p.paused else "", now)
         if p.paused:
-            while node.mailbox:  # our own signed tasks, never delivered
-                try:
-                    task = envelope.open_envelope(node.mailbox.popleft(), Task, replay=None).message
-                except Echo2Error:
-                    continue  # past its envelope's expiry, so past its deadline: expiry reassigns it
+            while node.mailbox:  # tasks issued to it, never delivered
+                task = node.mailbox.popleft()
                 if self.intake.decline(task.task_id, peer, f"paused: {p.reason}"):
                     self.store.submit(HubStore.close_task, task.task_id, "declined:paused", now)
         self._pump()

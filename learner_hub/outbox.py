@@ -87,10 +87,14 @@ class Outbox:
         for task in tasks:
             self.fleet.task_issued(task.task_id, task.node_id)
             node = nodes[task.node_id]
-            # within the node's replay window (600 s), however long the deadline
-            ttl = min(540.0, max(60.0, task.deadline - now + 60.0))
-            node.mailbox.append(envelope.seal(self.identity, task, ttl_s=ttl))
+            node.mailbox.append(task)
             node.wakeup.set()
+
+    def seal(self, task: Task) -> bytes:
+        """The signed task, when its node takes it."""
+        # within the node's replay window (600 s), however long the deadline
+        ttl = min(540.0, max(60.0, task.deadline - time.time() + 60.0))
+        return envelope.seal(self.identity, task, ttl_s=ttl)
 
     def _apply_eligibility(self, min_v: int, active: set[str] | None, nodes: dict[str, Any]) -> None:
         """Only nodes that hold a version >= ``min_v`` and are activated get tasks: a full pass

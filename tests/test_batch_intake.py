@@ -44,7 +44,7 @@ def _hub_with_tasks(tmp_path: Path, workers: int, k: int) -> tuple[Hub, Identity
     hub._refill()
     hub._pump()
     box = hub.nodes[node.peer_id].mailbox
-    tasks = [envelope.open_envelope(box.popleft(), Task, replay=None).message for _ in range(len(box))]
+    tasks = [box.popleft() for _ in range(len(box))]
     assert len(tasks) == k
     return hub, node, tasks
 

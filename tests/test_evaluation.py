@@ -78,7 +78,6 @@ def test_evaluation_through_a_real_hub(tmp_path: Path) -> None:
     from echo2.learner_hub.store import HubStore
     from echo2.protocol import envelope
     from echo2.protocol.identity import Identity
-    from echo2.protocol.messages import Task
 
     cfg = small_hub_cfg(tmp_path, eval_every=5, eval_max_prompts=6, eval_temperature=0.0)
     hub = Hub(cfg)
@@ -88,7 +87,7 @@ def test_evaluation_through_a_real_hub(tmp_path: Path) -> None:
     hub._refill()
     hub._pump()
     mailbox = hub.nodes[node.peer_id].mailbox
-    tasks = [envelope.open_envelope(m, Task, replay=None).message for m in mailbox]
+    tasks = list(mailbox)
     mailbox.clear()
     evals = [t for t in tasks if t.task_id in hub.dispatcher.eval_tasks]
     assert evals and all(t.group_size == 1 and t.temperature == 0.0 and t.min_version == 0 for t in evals)
@@ -100,7 +99,7 @@ def test_evaluation_through_a_real_hub(tmp_path: Path) -> None:
         if hub.evaluator.history:
             break
         hub._pump()
-        evals = [envelope.open_envelope(m, Task, replay=None).message for m in mailbox]
+        evals = list(mailbox)
         evals = [t for t in evals if t.task_id in hub.dispatcher.eval_tasks]
         mailbox.clear()
     st = hub.status()

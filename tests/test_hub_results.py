@@ -34,7 +34,7 @@ def take_task(hub: Hub, node: Identity) -> Task:
     hub.nodes[node.peer_id].held_version = hub.learner.version
     hub._refill()
     hub._pump()
-    data = hub.nodes[node.peer_id].mailbox.popleft()
+    data = hub.outbox.seal(hub.nodes[node.peer_id].mailbox.popleft())  # as on_work hands it over
     return envelope.open_envelope(data, Task, replay=None).message
 
 

@@ -47,7 +47,7 @@ def take_task(hub: Hub, node: Identity) -> Task:
     hub.nodes[node.peer_id].held_version = hub.learner.version
     hub._refill()
     hub._pump()
-    return envelope.open_envelope(hub.nodes[node.peer_id].mailbox.popleft(), Task, replay=None).message
+    return envelope.open_envelope(hub.outbox.seal(hub.nodes[node.peer_id].mailbox.popleft()), Task, replay=None).message
 
 
 def answer(task: Task, node: Identity, tokens: list[int] | None = None) -> PackedResult:

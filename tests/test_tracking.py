@@ -136,7 +136,7 @@ def test_a_tracker_whose_writer_raises_is_dropped_once_and_training_goes_on(
             info.held_version = hub.learner.version
             hub._pump()
             if info.mailbox:
-                task = envelope.open_envelope(info.mailbox.popleft(), Task, replay=None).message
+                task = envelope.open_envelope(hub.outbox.seal(info.mailbox.popleft()), Task, replay=None).message
                 result = answer(task, hub.learner.version)
                 await hub.on_result(node.peer_id, envelope.seal(node, result))
 
