@@ -324,8 +324,9 @@ def a3_prevented(outcomes: Mapping[str, int], guards1: dict[str, Any], stranger_
     return honest_replay == 0 and (full or stranger_growth >= reached / 2)
 
 
-#: Flood outcomes that mean no request reached the hub's handler (the connection failed first).
-_A3_NO_REQUEST = frozenset({"transport", "timeout", "TooSlowError", "ConnectionError", "OSError"})
+#: Flood outcomes that mean no request reached the hub's handler (the connection failed first; a
+#: connection past its address's allowance is closed before or right after Noise: "handshake").
+_A3_NO_REQUEST = frozenset({"transport", "handshake", "timeout", "TooSlowError", "ConnectionError", "OSError"})
 
 
 def _guard_growth(g0: dict[str, Any], g1: dict[str, Any], pick: Any) -> float:
