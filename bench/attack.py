@@ -160,6 +160,17 @@ class Attack:
     restart_nodes: bool = False  # the attack may leave a node holding hostile state
 
 
+async def _no_attack(ctx: Ctx) -> Effect:
+    """The control: the attacker's process runs its loop and the window as for an attack, and
+    sends nothing. Its ratio is the bench's own null reading under this run's conditions."""
+    await ctx.window()
+    return {"note": "no attack: the ratio an attack row would read from the machine's load alone"}, None
+
+
+#: ``--control`` (or ``--only A0``): a row measured exactly as an attack's, with no attack.
+CONTROL = Attack("A0", "control: no attack", _no_attack)
+
+
 def registry() -> dict[str, Attack]:
     from echo2.bench import attack_admitted as ad
     from echo2.bench import attack_hub as hb
@@ -188,6 +199,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seconds", type=float, default=60.0, help="attack window per id (default 60)")
     parser.add_argument("--baseline", type=float, default=20.0,
                         help="each of the two baseline windows per id, one before and one after the attack (default 20)")
+    parser.add_argument("--control", action="store_true",
+                        help="also measure a control row A0 (no attack) first and last: the ratio the machine's load alone reads")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--nodes", type=int, default=2, help="honest node processes (default 2)")
     parser.add_argument("--startup-timeout", type=float, default=240.0)
@@ -311,7 +324,7 @@ def run_one(h: Harness, attack: Attack, seconds: float, baseline_s: float,
 def attack_swarm(root: Path, ids: list[str], seconds: float, baseline_s: float, seed: int = 0, n_nodes: int = 2,
                  startup_timeout_s: float = 240.0, on_row: Callable[[dict[str, Any]], None] | None = None,
                  attacker_cpus: str = "none") -> dict[str, Any]:
-    attacks = registry()
+    attacks = registry() | {CONTROL.id: CONTROL}
     unknown = [i for i in ids if i not in attacks]
     if unknown:
         raise ValueError(f"unknown attack ids {unknown}; known: {', '.join(attacks)}")
@@ -333,13 +346,15 @@ def attack_swarm(root: Path, ids: list[str], seconds: float, baseline_s: float, 
         h.stop()
         if cpus is not None:
             attack_cpu.pin(os.getpid(), cpus[0] | cpus[1])
-    return {"rows": rows, "summary": summary(rows), "seconds": round(time.monotonic() - t0, 1),
+    return {"rows": rows, "summary": summary([r for r in rows if r["id"] != CONTROL.id]), "seconds": round(time.monotonic() - t0, 1),
             "attack_seconds": seconds, "baseline_seconds": baseline_s, "restarts": h.restarts, "dir": str(root),
             "rebuilt_swarms": h.rebuilds}
 
 
 def run(args: argparse.Namespace) -> int:
     ids = [i.strip().upper() for i in args.only.split(",") if i.strip()] or list(registry())
+    if args.control:
+        ids = [CONTROL.id, *ids, CONTROL.id]
     root = Path(args.dir or tempfile.mkdtemp(prefix="echo2-attack-"))
 
     import logging
