@@ -59,3 +59,19 @@ def cpu_seconds(pids: Iterable[int]) -> float:
             continue
         total += int(fields[11]) + int(fields[12])  # utime, stime (fields 14 and 15 of stat)
     return total / _CLK
+
+
+def busy_seconds(cpus: Iterable[int]) -> float:
+    """Seconds the given CPUs spent busy (not idle, not waiting on I/O) since boot, all processes."""
+    want = {f"cpu{c}" for c in cpus}
+    total = 0
+    try:
+        lines = Path("/proc/stat").read_text().splitlines()
+    except OSError:
+        return 0.0
+    for line in lines:
+        f = line.split()
+        if f and f[0] in want:
+            v = [int(x) for x in f[1:]]
+            total += sum(v[:8]) - v[3] - v[4]  # user nice system idle iowait irq softirq steal
+    return total / _CLK

@@ -256,6 +256,7 @@ async def a3_replay_flood(ctx: Ctx) -> Effect:
 
     fz, h = ctx.fz, ctx.h
     outcomes: Counter[str] = Counter()
+    keys_admitted: set[str] = set()
     guards0 = replay_guards(h.status())
 
     async def flooder() -> None:
@@ -265,6 +266,8 @@ async def a3_replay_flood(ctx: Ctx) -> Effect:
                     try:
                         d = await admit(host, fz.hub_addr)
                         outcomes["admitted" if d.admitted else "refused"] += 1
+                        if d.admitted:
+                            keys_admitted.add(host.peer_id)
                     except Echo2Error as exc:
                         outcomes[_a3_outcome(exc)] += 1
 
@@ -285,6 +288,8 @@ async def a3_replay_flood(ctx: Ctx) -> Effect:
     effect: dict[str, Any] = {
         "stranger_requests_answered": answered, "stranger_outcomes": dict(outcomes),
         "answered_per_s": round(per_s, 1), "shared_guard_capacity": capacity,
+        # the flood's throwaway keys the hub admitted (open admission): what its per-address bound caps
+        "new_keys_admitted": len(keys_admitted), "new_keys_admitted_per_s": round(len(keys_admitted) / ctx.seconds, 2),
         "projected_fill_s": round(capacity / per_s, 1) if per_s > 0 else None,
         "honest_refused_replay": honest_replay, "honest_admissions": dict(probe.outcomes),
         "hub_replay_guards": {"before": guards0, "after": guards1},
@@ -324,8 +329,9 @@ def a3_prevented(outcomes: Mapping[str, int], guards1: dict[str, Any], stranger_
     return honest_replay == 0 and (full or stranger_growth >= reached / 2)
 
 
-#: Flood outcomes that mean no request reached the hub's handler (the connection failed first).
-_A3_NO_REQUEST = frozenset({"transport", "timeout", "TooSlowError", "ConnectionError", "OSError"})
+#: Flood outcomes that mean no request reached the hub's handler (the connection failed first; a
+#: connection past its address's allowance is closed before or right after Noise: "handshake").
+_A3_NO_REQUEST = frozenset({"transport", "handshake", "timeout", "TooSlowError", "ConnectionError", "OSError"})
 
 
 def _guard_growth(g0: dict[str, Any], g1: dict[str, Any], pick: Any) -> float:

@@ -45,9 +45,9 @@ from echo2.protocol.messages import (
 from echo2.protocol.net.channel import ChannelServer
 from echo2.protocol.net.control import ControlHost, address_key, remote_ip
 from echo2.protocol.net.dataplane import DataPlaneServer
-from echo2.protocol.peerlimit import KeyedRateLimiter
 from echo2.protocol.wire import WORK_POLL_S
 
+from .admission_gate import AdmissionGate, AdmissionLimits, known_peers
 from .batchintake import accept_items, channel_offer, judge_batch
 from .broadcast import PeerInfo, PipelinedSender, StarWithHolds
 from .config import HubConfig, render_config
@@ -123,7 +123,6 @@ class Hub:
         # A5: the open challenge of each node that reported holding a version (one per node)
         self.holds_pending: dict[str, tuple[HoldsChallenge, float]] = {}
         self._holds_rng = random.SystemRandom()
-        self._admission_bucket = KeyedRateLimiter(5.0, 20.0)  # per IP (A11)
         self.publisher = PolicyPublisher(self.identity, self.model_config, self.artifacts, cfg)
         info: Callable[[str], PeerInfo | None] = lambda peer: self.fleet.peer_info(peer)  # noqa: E731 (fleet comes later)
         self.sender = (
@@ -133,6 +132,8 @@ class Hub:
         )
         # operator state: DIR/hub.sqlite (through the store's own thread), checkpoints in DIR/checkpoints
         self.store = StoreWorker(self.dir)
+        # A3/A11: admission requests counted per address (new identities) and per known key
+        self.admission_gate = AdmissionGate(known=self.store.call_sync(known_peers, AdmissionLimits().max_known))
         self.ledger = Ledger.restore(self.store.load_ledger())
         self.trainer = Trainer(cfg, learner, self.publisher, self.sender, self.store, self.intake.book)
         self.fleet = Fleet(cfg, self.identity.peer_id, self.store, self.ledger, self.dispatcher, self.sender,
@@ -220,13 +221,16 @@ class Hub:
 
     # --- control-plane handlers (each guarded by ControlHost; raise Echo2Error to refuse) --------
     async def on_admission(self, peer: str, data: bytes) -> bytes:
-        # per IP, and first: a request refused for rate costs no signature check and no replay nonce (A3/A11)
-        if not self._admission_bucket.allow(address_key(remote_ip() or peer), trio.current_time()):
-            raise MeaningError("too many admission requests right now; retry later")
+        # first: a request refused for rate costs no signature check and no replay nonce (A3/A11)
+        refusal = self.admission_gate.refusal(peer, address_key(remote_ip() or peer), trio.current_time())
+        if refusal is not None:
+            raise MeaningError(refusal)
         req = envelope.open_envelope(data, AdmissionRequest, replay=self.admission_replay, allowed=self._signed_by(peer, False)).message
         if req.peer_id != peer or req.announce.peer_id != peer:
             raise MeaningError("admission request names another peer")
         admitted, reason = await self.fleet.admit(peer, req.join_token, req.announce, time.time())
+        if admitted:
+            self.admission_gate.admitted(peer)
         decision = AdmissionDecision(peer_id=peer, admitted=admitted, reason=reason, hub_data_addr=self.data_addr,
                                      current_version=self.publisher.latest_version, staleness=self.cfg.staleness)
         return envelope.seal(self.identity, decision)

@@ -139,7 +139,12 @@ def test_attack_bench_runs_cheap_ids_end_to_end(tmp_path: Path) -> None:
     for r in rows.values():
         assert ROW_KEYS <= set(r), r
         assert isinstance(r["effect"], dict), r["effect"]  # measured, not "not measured: ..."
-        assert r["detail"]["baseline_rollouts_per_s"] and r["detail"]["baseline_rollouts_per_s"] > 0
+        d = r["detail"]
+        assert d["baseline_rollouts_per_s"] and d["baseline_rollouts_per_s"] > 0
+        # the baseline is pooled from a window before and one after the attack (same length each)
+        lo, hi = sorted([d["baseline_before_per_s"], d["baseline_after_per_s"]])
+        assert lo - 0.01 <= d["baseline_rollouts_per_s"] <= hi + 0.01
+        assert set(d["victim_cpu_per_s"]) == {"before", "attack", "after"}
     assert "bytes_served_to_stranger" in rows["A12"]["effect"]
     assert "node_rss_peak_growth_mib" in rows["A4"]["effect"]
     json.dumps(report)

@@ -38,7 +38,8 @@ budgets per peer (trusted peers, as :attr:`ControlHost.is_trusted` says) or per 
 over all strangers (``busy``), a body slower than a minimum rate is cut (``too_slow``), each
 remote IP may hold a bounded number of connections (the excess is closed), a remote IP whose
 peers are not admitted may open only so many new connections per second and hold only so many
-mid-handshake (the excess is closed before the Noise handshake) and only so many new streams per
+mid-handshake (the excess is closed before the Noise handshake; admitted peers widen their own
+address's allowance, :mod:`.conngate`) and only so many new streams per
 second (the excess is reset before its protocol is even negotiated, and its connection closed),
 and gossip is
 rate-limited per origin and topic. Refusals are counted in ``refusals`` by code; their log lines
@@ -66,7 +67,7 @@ from ..backoff import backoff_delay
 from ..errors import Echo2Error, HandshakeError, Timeout, TransportError
 from ..identity import Identity
 from ..peerlimit import ByteBudget, ConcurrencyLimiter, KeyedRateLimiter, LogThrottle, address_key
-from .conngate import InboundGate
+from .conngate import InboundGate, MemberBook
 from .gossip import Gossip, GossipConfig, start_gossip
 from .libp2p_host import (
     build_host,
@@ -139,6 +140,13 @@ class RequestLimits:
     # closed, so a flood's next connection meets that gate.
     stranger_conns_per_ip_s: float = 2.0
     stranger_conns_burst: float = 20.0
+    # Each admitted peer seen on an address within member_memory_s adds this to the address's
+    # allowance; a connection on it whose peer is not admitted is closed right after Noise. An
+    # honest node reconnects when its link breaks: a burst of 4 and one a minute covers a flapping
+    # link, and a whole NAT'd fleet whose link broke at once (100 nodes: 400 at once).
+    member_conns_per_s: float = 1 / 60
+    member_conns_burst: float = 4.0
+    member_memory_s: float = 600.0
     max_pending_per_ip: int = 16
     refused_hold_s: float = 5.0
     max_held_per_ip: int = 64
@@ -232,8 +240,9 @@ class ControlHost(RequestResponse, Gossip):
         self._stranger_stream_rate = KeyedRateLimiter(
             lim.stranger_streams_per_ip_s, lim.stranger_streams_burst, max_keys=lim.max_tracked_peers
         )
-        self._inbound = InboundGate(lim, trusted_ip=self._ip_trusted, ip_conns=lambda ip: self._ip_conns[ip],
-                                    refuse=self._refuse)
+        self._members = MemberBook(self.trusts, memory_s=lim.member_memory_s, max_ips=lim.max_tracked_peers)
+        self._inbound = InboundGate(lim, members=lambda ip: self._members.members(ip, trio.current_time()),
+                                    trusts=self.trusts, ip_conns=lambda ip: self._ip_conns[ip], refuse=self._refuse)
         self._closing: set[int] = set()  # id(muxed conn) of stranger connections being closed
         self._trusted_bytes = ByteBudget(lim.max_inflight_per_peer, lim.max_inflight_bytes)
         self._stranger_peer_bytes = ByteBudget(lim.stranger_inflight_per_peer, lim.stranger_inflight_bytes)
@@ -242,7 +251,6 @@ class ControlHost(RequestResponse, Gossip):
         self.is_trusted: TrustPredicate | None = None
         self._conn_ips: dict[int, tuple[str, str]] = {}  # id(conn) -> (remote IP, peer), connections we counted
         self._ip_conns: collections.Counter[str] = collections.Counter()
-        self._ip_peers: dict[str, collections.Counter[str]] = {}  # remote IP -> its connected peers
         self._log = LogThrottle(logger, self.limits.log_lines_per_s)
         self._keypair = keypair_from_identity(identity)
         self._host: IHost | None = None
@@ -405,10 +413,6 @@ class ControlHost(RequestResponse, Gossip):
         finally:
             self._closing.discard(key)
 
-    def _ip_trusted(self, ip: str) -> bool:
-        peers = self._ip_peers.get(ip)
-        return peers is not None and any(self.trusts(p) for p in peers)
-
     def _stream_allowed(self, stream: INetStream) -> bool:
         try:
             peer = peer_str(stream.muxed_conn.peer_id)
@@ -430,7 +434,7 @@ class ControlHost(RequestResponse, Gossip):
             return False
         self._conn_ips[id(conn)] = (ip, peer)
         self._ip_conns[ip] += 1
-        self._ip_peers.setdefault(ip, collections.Counter())[peer] += 1
+        self._members.connected(ip, peer, trio.current_time())
         return True
 
     def _uncount_connection(self, conn: INetConn) -> None:
@@ -438,18 +442,12 @@ class ControlHost(RequestResponse, Gossip):
         if counted is None:
             return
         ip, peer = counted
+        self._members.disconnected(ip, peer, trio.current_time())
         left = self._ip_conns[ip] - 1
         if left > 0:
             self._ip_conns[ip] = left
         else:
             self._ip_conns.pop(ip, None)
-        peers = self._ip_peers.get(ip)
-        if peers is not None:
-            peers[peer] -= 1
-            if peers[peer] <= 0:
-                del peers[peer]
-            if not peers:
-                del self._ip_peers[ip]
 
     def remote_ip(self, peer_id: str) -> str | None:
         """The IP address ``peer_id`` is connected from (its first live connection), if any."""
