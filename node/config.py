@@ -27,6 +27,9 @@ class NodeConfig:
     model_hub_offline: bool = True
     # heartbeats, holds and results on one long-lived channel to the hub when it offers one (hublink.py)
     channel: bool = True
+    # how long a finished result may wait for the next one to share its ResultBatch, when that
+    # one is expected in time (outbox.plan; 0: what is ready goes at once)
+    result_linger_ms: float = 0.0
     json_events: bool = False  # progress as JSON lines on stdout (`node run --json`), not log lines
     # computing preferences given as flags (prefs.Prefs field -> value); they override DATA_DIR/node.toml
     prefs: dict[str, Any] = field(default_factory=dict)

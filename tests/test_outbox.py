@@ -1,0 +1,107 @@
+"""The node's outbox of finished results (issue 20): the batching decision (sans-IO) and the file
+of one waiting result."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from echo2.node.outbox import Entry, IntervalMeter, decode_entry, encode_entry, plan
+from echo2.protocol.identity import Identity
+from echo2.protocol.packedresult import PackedCompletion, PackedResult, pack_ids, pack_logprobs
+
+NODE = Identity.generate().peer_id
+
+
+def result(task_id: str, version: int = 3) -> PackedResult:
+    c = PackedCompletion(0, pack_ids([5, 6, 7]), pack_logprobs([-0.5, -0.25, -1.0]), "length")
+    return PackedResult(task_id=task_id, task_hash=b"\xab" * 32, node_id=NODE, version=version, completions=[c],
+                        started_at=1000.0, gen_seconds=0.5, tokens=3)
+
+
+def entry(i: int, *, ready_at: float = 100.0, deadline: float = 1000.0, size: int = 10, version: int = 3,
+          not_before: float = 0.0) -> Entry:
+    return Entry(task_id=f"t-{i}", deadline=deadline, version=version, ready_at=ready_at, size=size,
+                 result=result(f"t-{i}", version), not_before=not_before)
+
+
+def ids(es: list[Entry]) -> list[str]:
+    return [e.task_id for e in es]
+
+
+def test_ready_results_go_at_once_up_to_the_batch_limits() -> None:
+    es = [entry(i) for i in range(5)]
+    p = plan(es, 100.0, max_count=4, max_bytes=1000, linger_s=0.0, next_at=None, held_version=3)
+    assert ids(p.send) == ["t-0", "t-1", "t-2", "t-3"] and not p.expired and p.wake_at is None
+    # the bytes bound cuts the batch; one result goes alone whatever its size
+    p = plan(es, 100.0, max_count=32, max_bytes=25, linger_s=0.0, next_at=None, held_version=3)
+    assert ids(p.send) == ["t-0", "t-1"]
+    p = plan([entry(0, size=10**9)], 100.0, max_count=32, max_bytes=25, linger_s=0.0, next_at=None, held_version=3)
+    assert ids(p.send) == ["t-0"]
+    # no channel: one result per request
+    assert ids(plan(es, 100.0, max_count=1, max_bytes=0, linger_s=1.0, next_at=100.1, held_version=3).send) == ["t-0"]
+    # nothing waiting: wait for a put
+    assert plan([], 100.0, max_count=4, max_bytes=1000, linger_s=1.0, next_at=None, held_version=3) == \
+        plan([], 100.0, max_count=4, max_bytes=1000, linger_s=0.0, next_at=None, held_version=None)
+
+
+def test_linger_waits_only_for_a_result_expected_in_time() -> None:
+    es = [entry(0, ready_at=100.0)]
+    kw = {"max_count": 32, "max_bytes": 10**6, "held_version": 3}
+    # the next result is due in 0.2 s, within a 0.5 s linger: wait (until the linger's end at most)
+    p = plan(es, 100.0, linger_s=0.5, next_at=100.2, **kw)  # type: ignore[arg-type]
+    assert not p.send and p.wake_at == pytest.approx(100.5)
+    # ... and at the linger's end it goes, the next one or not
+    assert ids(plan(es, 100.5, linger_s=0.5, next_at=100.2, **kw).send) == ["t-0"]  # type: ignore[arg-type]
+    # not expected in time, nothing being made, or linger off: at once
+    assert ids(plan(es, 100.0, linger_s=0.5, next_at=101.0, **kw).send) == ["t-0"]  # type: ignore[arg-type]
+    assert ids(plan(es, 100.0, linger_s=0.5, next_at=None, **kw).send) == ["t-0"]  # type: ignore[arg-type]
+    assert ids(plan(es, 100.0, linger_s=0.0, next_at=100.01, **kw).send) == ["t-0"]  # type: ignore[arg-type]
+    # a full batch does not wait
+    full = [entry(i) for i in range(32)]
+    assert len(plan(full, 100.0, linger_s=0.5, next_at=100.2, **kw).send) == 32  # type: ignore[arg-type]
+
+
+def test_linger_never_crosses_a_deadline_or_a_newer_version() -> None:
+    kw = {"max_count": 32, "max_bytes": 10**6, "linger_s": 0.5, "next_at": 100.2}
+    # deadline in 5.3 s with a 5 s margin: the linger ends at 100.3, not 100.5
+    p = plan([entry(0, deadline=105.3)], 100.0, held_version=3, **kw)  # type: ignore[arg-type]
+    assert not p.send and p.wake_at == pytest.approx(100.3)
+    # deadline within the margin: no linger at all
+    assert ids(plan([entry(0, deadline=104.0)], 100.0, held_version=3, **kw).send) == ["t-0"]  # type: ignore[arg-type]
+    # the node already holds a newer version than the result was made with: no delay
+    assert ids(plan([entry(0, version=3)], 100.0, held_version=4, **kw).send) == ["t-0"]  # type: ignore[arg-type]
+
+
+def test_expired_and_backed_off_results() -> None:
+    kw = {"max_count": 32, "max_bytes": 10**6, "linger_s": 0.0, "next_at": None, "held_version": 3}
+    es = [entry(0, deadline=99.0), entry(1, not_before=102.0), entry(2)]
+    p = plan(es, 100.0, **kw)  # type: ignore[arg-type]
+    assert ids(p.expired) == ["t-0"] and ids(p.send) == ["t-2"]  # t-1 waits for its retry time
+    p = plan(es[:2], 100.0, **kw)  # type: ignore[arg-type]
+    assert ids(p.expired) == ["t-0"] and not p.send and p.wake_at == 102.0
+    assert ids(plan(es[1:2], 102.0, **kw).send) == ["t-1"]  # type: ignore[arg-type]
+
+
+def test_interval_meter_ignores_long_gaps() -> None:
+    m = IntervalMeter(weight=0.5)
+    assert m.next_at() is None
+    m.finished(10.0)
+    assert m.next_at() is None  # one result: no interval yet
+    m.finished(10.2)
+    assert m.next_at() == pytest.approx(10.4)
+    m.finished(60.0)  # a pause: not a sample, but the clock restarts from it
+    assert m.mean_s == pytest.approx(0.2) and m.next_at() == pytest.approx(60.2)
+
+
+def test_entry_file_round_trips_and_refuses_junk() -> None:
+    e = entry(7, ready_at=time.time(), deadline=time.time() + 60)
+    data = encode_entry(e)
+    back = decode_entry(data)
+    assert (back.task_id, back.deadline, back.version, back.ready_at, back.result) == \
+        (e.task_id, e.deadline, e.version, e.ready_at, e.result)
+    assert back.name == e.name and back.name.endswith(".result") and "t-7" not in back.name
+    for junk in (b"", b"\x00\x01", data[:-3]):
+        with pytest.raises(Exception):  # noqa: B017 - any decoding error refuses it
+            decode_entry(junk)
