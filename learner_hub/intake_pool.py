@@ -47,7 +47,7 @@ import msgspec
 import trio
 
 from echo2.protocol.batchmessages import MAX_BATCH_RESULTS
-from echo2.protocol.errors import ProtocolError
+from echo2.protocol.errors import Echo2Error, ProtocolError
 
 from .config import ConfigError, HubConfig
 from .intake import Intake
@@ -203,6 +203,7 @@ class IntakePool:
         self.refused: Counter[str] = Counter()  # busy answers by reason (status)
         self.restarts = 0
         self.checked = 0  # frames examined (whatever the finding)
+        self.verdicts: Counter[str] = Counter()  # what check() answered: "ok" (findings) or the error code
         self._closed = False
         self._workers = [_Worker(i, spec) for i in range(workers)]
 
@@ -224,7 +225,13 @@ class IntakePool:
         envelope's Echo2Error, or IntakeBusy when the pool cannot take it now."""
         if not self._workers:
             self.checked += 1
-            return Checked(examine(raw, ctx.peer, ctx.tasks, self.spec.limits, self.decode_batch))
+            try:
+                found = Checked(examine(raw, ctx.peer, ctx.tasks, self.spec.limits, self.decode_batch))
+            except Echo2Error as exc:
+                self.verdicts[exc.code] += 1
+                raise
+            self.verdicts["ok"] += 1
+            return found
         if self._closed:
             raise self._busy("stopping", "the hub is stopping")
         if self._peers[ctx.peer] >= self.per_peer:
@@ -243,7 +250,10 @@ class IntakePool:
                 del self._peers[ctx.peer]
         self.checked += 1
         if reply.error is not None:
-            raise error_from_wire(*reply.error)
+            err = error_from_wire(*reply.error)
+            self.verdicts[err.code] += 1
+            raise err
+        self.verdicts["ok"] += 1
         assert reply.findings is not None
         scored = Scored(*reply.scored) if reply.scored is not None else None
         return Checked(reply.findings, scored, reply.failures, reply.payload)
@@ -298,6 +308,7 @@ class IntakePool:
 
     def _busy(self, reason: str, message: str) -> IntakeBusy:
         self.refused[reason] += 1
+        self.verdicts[IntakeBusy.code] += 1
         return IntakeBusy(message)
 
     def close(self) -> None:
@@ -307,9 +318,12 @@ class IntakePool:
             w.stop()
 
     def report(self) -> dict[str, Any]:
-        return {"workers": self.workers, "checked": self.checked, "restarts": self.restarts,
-                "busy_by_reason": dict(self.refused), "queued": sum(w.queued for w in self._workers),
-                "pids": self.pids()}
+        """The pool's counters (status.json's "intake_pool", `echo2 hub status`): cheap, from
+        counters kept as it goes (and a waitpid poll per worker, not per result)."""
+        return {"workers": self.workers, "workers_alive": sum(1 for w in self._workers if w.exitcode is None),
+                "checked": self.checked, "restarts": self.restarts, "in_flight": sum(w.queued for w in self._workers),
+                "verdicts": dict(self.verdicts), "busy_by_reason": dict(self.refused),
+                "queued": sum(w.queued for w in self._workers), "pids": self.pids()}
 
 
 def worker_spec(cfg: HubConfig, recipe: Recipe, artifacts: dict[str, bytes], intake: Intake) -> WorkerSpec:
