@@ -9,8 +9,8 @@ fsynced), so a crash, a hub restart or a ``busy`` refusal loses nothing: a resta
 delivers what it finds there while the task's deadline allows.
 
 When to send. Whatever is ready goes at once, up to the hub's batch limits, unless the next
-result is expected within ``linger_s`` of the oldest (from the measured interval between
-results), in which case it waits for that one. Never past a task's deadline less ``margin_s``,
+result is expected within ``linger_s`` of the oldest (from what the task loop is doing and its
+measured generation time: :class:`WorkerState`), in which case it waits for that one. Never past a task's deadline less ``margin_s``,
 and never once the node holds a newer policy version than a waiting result was made with (the
 learner has moved on: each second brings the result nearer the staleness bound).
 """
@@ -78,12 +78,14 @@ def plan(
     linger_s: float,
     next_at: float | None,
     held_version: int | None,
+    recheck_at: float | None = None,
     margin_s: float = 5.0,
 ) -> Plan:
     """The decision of the delivery task over ``entries`` (oldest first).
 
     ``max_count`` / ``max_bytes``: the hub's batch limits (1 when there is no channel);
-    ``next_at``: when the next result is expected (None: none is being made, or no measurement);
+    ``next_at``: when the next result is expected (None: none is being made, or no measurement),
+    an expectation that holds until ``recheck_at`` (None: until the next change);
     ``held_version``: the newest policy version this node holds.
     """
     expired = [e for e in entries if now >= e.deadline]
@@ -100,34 +102,65 @@ def plan(
     if held_version is not None and any(held_version > e.version for e in batch):
         return Plan(batch, expired, None)  # a newer version is out: no delay for a result made before it
     until = min(min(e.ready_at for e in batch) + linger_s, min(e.deadline for e in batch) - margin_s)
-    if now < until and next_at <= until:
-        return Plan([], expired, until)  # the next result is expected in time to go with these
+    if now < until and next_at <= until:  # the next result is expected in time to go with these
+        return Plan([], expired, until if recheck_at is None else min(until, recheck_at))
     return Plan(batch, expired, None)
 
 
-class IntervalMeter:
-    """The interval between finished results (an exponentially weighted mean), to predict the
-    next one. A gap much longer than the mean (the node paused, the hub had no work) is not a
-    sample: it would teach the outbox to wait for results that are not coming."""
+class WorkerState:
+    """What the task loop is doing, to predict when its next result is finished.
+
+    Generating: at its start plus the recent generation time. Asking the hub for work: a task may
+    come at once (the hub had one for this node), and then a result a generation time later; but
+    a hub that lets a node hold only so many tasks (``max_in_flight_per_node``, 2 by default)
+    answers only once waiting results are delivered, so the prediction holds only for a grace of
+    about two quick answers' time: past it, whatever waits goes (``recheck_at``)."""
+
+    #: the grace given a work request, in seconds: at least (a loaded machine's scheduling) and at most
+    GRACE_MIN_S = 0.01
+    GRACE_MAX_S = 0.1
 
     def __init__(self, weight: float = 0.3) -> None:
         self.weight = weight
-        self.mean_s: float | None = None
-        self.last_at: float | None = None
+        self.gen_s: float | None = None  # mean generation time of a task
+        self.answer_s: float | None = None  # mean time a work request took when the hub had a task
+        self.state = "idle"
+        self.since = 0.0
 
-    def finished(self, at: float) -> None:
-        if self.last_at is not None:
-            gap = max(0.0, at - self.last_at)
-            if self.mean_s is None:
-                self.mean_s = gap
-            elif gap <= 4 * self.mean_s + 1.0:
-                self.mean_s += self.weight * (gap - self.mean_s)
-        self.last_at = at
+    def _mean(self, old: float | None, sample: float) -> float:
+        return sample if old is None else old + self.weight * (sample - old)
 
-    def next_at(self) -> float | None:
-        if self.mean_s is None or self.last_at is None:
-            return None
-        return self.last_at + self.mean_s
+    def polling(self, now: float) -> None:
+        self.state, self.since = "polling", now
+
+    def generating(self, now: float) -> None:
+        if self.state == "polling" and now - self.since < 1.0:  # a long poll that waited is no sample
+            self.answer_s = self._mean(self.answer_s, now - self.since)
+        self.state, self.since = "generating", now
+
+    def generated(self, now: float) -> None:
+        if self.state == "generating":
+            self.gen_s = self._mean(self.gen_s, now - self.since)
+        self.state, self.since = "idle", now
+
+    def idle(self, now: float) -> None:
+        self.state, self.since = "idle", now
+
+    def grace_s(self) -> float:
+        if self.answer_s is None:
+            return self.GRACE_MAX_S
+        return min(self.GRACE_MAX_S, max(self.GRACE_MIN_S, 2 * self.answer_s))
+
+    def predict(self, now: float) -> tuple[float | None, float | None]:
+        """(when the next result is expected or None, when to look again or None)."""
+        if self.gen_s is None:
+            return None, None
+        if self.state == "generating":
+            return self.since + self.gen_s, None
+        if self.state == "polling" and now < self.since + self.grace_s():
+            end = self.since + self.grace_s()
+            return end + self.gen_s, end
+        return None, None
 
 
 # --- the file of one entry ---------------------------------------------------------------------

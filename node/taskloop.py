@@ -182,6 +182,7 @@ class TaskLoop:
             version = self._engine.version
             t0 = time.monotonic()
             declined: tuple[str, str] | None = None
+            self.delivery.generating()  # what waits in the outbox may wait for this one (outbox.plan)
             try:
                 batch_rows = self._plan(task)
                 completions, worked = await trio.to_thread.run_sync(generate_bounded, self._engine, task, batch_rows,
@@ -198,6 +199,7 @@ class TaskLoop:
             gen_s = time.monotonic() - t0
         self._current_task = None
         if declined is not None:
+            self.delivery.idle()
             await self._decline(host, task, *declined)
             return
         tokens = sum(len(c.token_ids) for c in completions)

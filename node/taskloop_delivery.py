@@ -32,7 +32,7 @@ from echo2.protocol.wire import MAX_CONTROL_REQUEST, RESULT
 
 from .delivery import RETRY_CODES
 from .hublink import HubLink
-from .outbox import MAX_BYTES, MAX_ENTRIES, SUFFIX, Entry, IntervalMeter, decode_entry, encode_entry, plan
+from .outbox import MAX_BYTES, MAX_ENTRIES, SUFFIX, Entry, WorkerState, decode_entry, encode_entry, plan
 
 log = logging.getLogger("echo2.node.runtime")  # the crash bench reads "result of task ... accepted" here
 
@@ -64,7 +64,7 @@ class ResultDelivery:
         self.held_version, self.count_bytes = held_version, count_bytes
         self.linger_s, self.max_entries, self.max_bytes = linger_s, max_entries, max_bytes
         self.entries: list[Entry] = []  # oldest first
-        self.interval = IntervalMeter()
+        self.worker = WorkerState()  # what the task loop is doing (the linger's prediction)
         self._changed = trio.Event()
         # counters (node.state.json, tests, the bench)
         self.sends = 0  # requests that carried results (a batch or a lone result)
@@ -117,9 +117,21 @@ class ResultDelivery:
             await trio.to_thread.run_sync(_write, self.dir, entry.name, data)
         except OSError as exc:  # a full disk costs the crash safety of this result, not the result
             log.error("outbox: could not keep the result of task %s on disk: %s", entry.task_id, exc)
-        self.interval.finished(entry.ready_at)
         self.entries.append(entry)
+        now = time.time()
+        self.worker.generated(now)  # packed and kept: the whole time it took to make counts
+        self.worker.polling(now)  # the task loop asks for its next task now
         self._wake()
+
+    # what the task loop does (each may change the linger's decision)
+    def generating(self) -> None:
+        self.worker.generating(time.time())
+        self._wake()
+
+    def idle(self) -> None:
+        if self.worker.state != "idle":
+            self.worker.idle(time.time())
+            self._wake()
 
     async def changed(self) -> None:
         """Return at the next change of the outbox (an entry put, answered or dropped)."""
@@ -136,8 +148,9 @@ class ResultDelivery:
             link = self.to_hub()
             max_count, max_bytes = link.batch_limits() if isinstance(link, HubLink) else (1, 0)
             now = time.time()
+            next_at, recheck_at = self.worker.predict(now)
             p = plan(self.entries, now, max_count=max_count, max_bytes=max_bytes, linger_s=self.linger_s,
-                     next_at=self.interval.next_at(), held_version=self.held_version())
+                     next_at=next_at, recheck_at=recheck_at, held_version=self.held_version())
             for e in p.expired:
                 self.expired += 1
                 log.warning("result of task %s not delivered before its deadline (%s): dropped", e.task_id,

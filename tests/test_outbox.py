@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from echo2.node.outbox import Entry, IntervalMeter, decode_entry, encode_entry, plan
+from echo2.node.outbox import Entry, WorkerState, decode_entry, encode_entry, plan
 from echo2.protocol.identity import Identity
 from echo2.protocol.packedresult import PackedCompletion, PackedResult, pack_ids, pack_logprobs
 
@@ -84,15 +84,35 @@ def test_expired_and_backed_off_results() -> None:
     assert ids(plan(es[1:2], 102.0, **kw).send) == ["t-1"]  # type: ignore[arg-type]
 
 
-def test_interval_meter_ignores_long_gaps() -> None:
-    m = IntervalMeter(weight=0.5)
-    assert m.next_at() is None
-    m.finished(10.0)
-    assert m.next_at() is None  # one result: no interval yet
-    m.finished(10.2)
-    assert m.next_at() == pytest.approx(10.4)
-    m.finished(60.0)  # a pause: not a sample, but the clock restarts from it
-    assert m.mean_s == pytest.approx(0.2) and m.next_at() == pytest.approx(60.2)
+def test_worker_state_predicts_the_next_result() -> None:
+    w = WorkerState(weight=0.5)
+    assert w.predict(0.0) == (None, None)  # nothing measured: no prediction, no linger
+    w.polling(0.0)
+    w.generating(0.004)  # the hub had a task: answered in 4 ms
+    assert w.predict(0.5) == (None, None)  # generation time not yet known
+    w.generated(2.004)
+    assert w.gen_s == pytest.approx(2.0) and w.predict(2.1) == (None, None)  # idle: nothing coming
+    w.polling(3.0)
+    # asking for work: a task may come within the grace (2 x 4 ms, at least 10 ms), then 2 s of work;
+    # past the grace, the hub is holding the request (it lets the node hold no more tasks)
+    nxt, recheck = w.predict(3.001)
+    assert recheck == pytest.approx(3.01) and nxt == pytest.approx(5.01)
+    assert w.predict(3.02) == (None, None)
+    w.generating(3.005)
+    assert w.predict(3.5) == (pytest.approx(5.005), None)
+    # a long poll that waited is not an answer time; a failed task is not a generation time
+    w.generated(4.0)
+    w.polling(10.0)
+    w.generating(15.0)
+    w.idle(15.1)
+    assert w.answer_s == pytest.approx(0.0045) and w.gen_s == pytest.approx(1.4975)
+
+
+def test_linger_with_a_worker_asking_for_work_rechecks_after_the_grace() -> None:
+    es = [entry(0, ready_at=100.0)]
+    p = plan(es, 100.0, max_count=32, max_bytes=10**6, linger_s=3.0, next_at=102.05, recheck_at=100.05,
+             held_version=3)
+    assert not p.send and p.wake_at == pytest.approx(100.05)
 
 
 def test_entry_file_round_trips_and_refuses_junk() -> None:
