@@ -4,6 +4,8 @@ of one waiting result."""
 from __future__ import annotations
 
 import time
+from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -125,3 +127,31 @@ def test_entry_file_round_trips_and_refuses_junk() -> None:
     for junk in (b"", b"\x00\x01", data[:-3]):
         with pytest.raises(Exception):  # noqa: B017 - any decoding error refuses it
             decode_entry(junk)
+
+
+def test_a_restarted_node_finds_its_outbox(tmp_path: Path) -> None:
+    """What one run kept (durably, before its task loop moved on) the next run takes up, oldest
+    first; a file that is not an outbox entry is moved aside, never sent."""
+    import trio
+
+    from echo2.node.taskloop_delivery import ResultDelivery
+
+    def delivery() -> ResultDelivery:
+        async def nothing(*_: object) -> None:
+            return None
+
+        def no_link() -> Any:
+            raise AssertionError("nothing is sent here")
+
+        return ResultDelivery(tmp_path / "outbox", Identity.generate(), "hub", to_hub=no_link, on_accepted=nothing,
+                              on_refused=nothing, held_version=lambda: None)
+
+    first = delivery()
+    now = time.time()
+    trio.run(first.put, entry(2, ready_at=now + 1, deadline=now + 60))
+    trio.run(first.put, entry(1, ready_at=now, deadline=now + 60))
+    (tmp_path / "outbox" / ("0" * 40 + ".result")).write_bytes(b"\x00 not an entry")
+    second = delivery()
+    assert trio.run(second.load) == 2
+    assert ids(second.entries) == ["t-1", "t-2"] and second.entries[0].result == first.entries[1].result
+    assert (tmp_path / "outbox" / ("0" * 40 + ".result.bad")).exists()
