@@ -11,10 +11,12 @@ again later. A request already on the channel when it breaks fails with ``Transp
 every caller already retries (a result is resealed for its retry, so a copy the hub did take
 reads as a duplicate, never as a replay).
 
-Results go through :meth:`send_result`, which batches what is finished: while one send is on the
-wire, results finished meanwhile queue up and go together in one signed ResultBatch (at most the
-hub's offered count and bytes); a result that finds nothing else waiting goes at once, alone, as
-the plain RESULT request, so batching never adds latency.
+A running node's results go through :meth:`send_batch` (several sealed results in one signed
+ResultBatch, a verdict per item), driven by the node's outbox (:mod:`.taskloop_delivery`, which
+decides what goes together, within :meth:`batch_limits`). :meth:`send_result` batches for callers
+that send results concurrently: while one send is on the wire, results finished meanwhile queue
+up and go together (at most the hub's offered count and bytes); a result that finds nothing else
+waiting goes at once, alone, as the plain RESULT request.
 """
 
 from __future__ import annotations

@@ -66,6 +66,8 @@ class ResultDelivery:
         self.entries: list[Entry] = []  # oldest first
         self.worker = WorkerState()  # what the task loop is doing (the linger's prediction)
         self._changed = trio.Event()
+        self._storing: dict[str, trio.Event] = {}  # entries whose file is being written
+        self._nursery: trio.Nursery | None = None
         # counters (node.state.json, tests, the bench)
         self.sends = 0  # requests that carried results (a batch or a lone result)
         self.results_sent = 0  # results in them (a retried one counts each time)
@@ -108,20 +110,36 @@ class ResultDelivery:
         return len(self.entries)
 
     async def put(self, entry: Entry) -> None:
-        """Keep ``entry`` (on disk first) for the delivery task; waits while the outbox is full."""
+        """Keep ``entry`` for the delivery task (and on disk); waits while the outbox is full.
+
+        The file is written beside the task loop's next work request, not before it: ~7 ms median
+        and 60 ms at worst per fsynced write here (2 shared cores, loaded), which the task loop
+        would otherwise spend idle on every result. A crash in those milliseconds loses the result,
+        as a crash a moment earlier, while it was generated, would have."""
         while self.entries and (len(self.entries) >= self.max_entries or self._bytes() + entry.size > self.max_bytes):
             await self._changed.wait()
         data = encode_entry(entry)
         entry.size = len(data)
-        try:  # durable before the task loop moves on: a crash now must not lose minutes of work
-            await trio.to_thread.run_sync(_write, self.dir, entry.name, data)
-        except OSError as exc:  # a full disk costs the crash safety of this result, not the result
-            log.error("outbox: could not keep the result of task %s on disk: %s", entry.task_id, exc)
         self.entries.append(entry)
         now = time.time()
         self.worker.generated(now)  # packed and kept: the whole time it took to make counts
         self.worker.polling(now)  # the task loop asks for its next task now
         self._wake()
+        stored = self._storing[entry.name] = trio.Event()
+        if self._nursery is not None:
+            self._nursery.start_soon(self._store, entry, data, stored)
+        else:
+            await self._store(entry, data, stored)
+
+    async def _store(self, entry: Entry, data: bytes, stored: trio.Event) -> None:
+        try:
+            await trio.to_thread.run_sync(_write, self.dir, entry.name, data)
+        except OSError as exc:  # a full disk costs the crash safety of this result, not the result
+            log.error("outbox: could not keep the result of task %s on disk: %s", entry.task_id, exc)
+        finally:
+            stored.set()
+            if self._storing.get(entry.name) is stored:
+                del self._storing[entry.name]
 
     # what the task loop does (each may change the linger's decision)
     def generating(self) -> None:
@@ -144,6 +162,14 @@ class ResultDelivery:
 
     # --- the delivery task -----------------------------------------------------------------------
     async def run(self) -> None:
+        async with trio.open_nursery() as nursery:  # the outbox's file writes
+            self._nursery = nursery
+            try:
+                await self._deliver()
+            finally:
+                self._nursery = None
+
+    async def _deliver(self) -> None:
         while True:
             link = self.to_hub()
             max_count, max_bytes = link.batch_limits() if isinstance(link, HubLink) else (1, 0)
@@ -208,6 +234,9 @@ class ResultDelivery:
     async def _forget(self, e: Entry) -> None:
         if e in self.entries:
             self.entries.remove(e)
+        stored = self._storing.get(e.name)
+        if stored is not None:  # its file is still being written: removed once it is
+            await stored.wait()
         try:
             await trio.to_thread.run_sync(_remove, self.dir / e.name)
         except OSError as exc:
