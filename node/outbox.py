@@ -88,8 +88,10 @@ def plan(
     an expectation that holds until ``recheck_at`` (None: until the next change);
     ``held_version``: the newest policy version this node holds.
     """
-    expired = [e for e in entries if now >= e.deadline]
-    live = [e for e in entries if now < e.deadline]
+    # past its deadline, a result is still tried once (the hub may not have handed the task on
+    # yet; if it has, its verdict says so and the node records it); one that failed is dropped
+    expired = [e for e in entries if now >= e.deadline and e.failures > 0]
+    live = [e for e in entries if now < e.deadline or e.failures == 0]
     ready = [e for e in live if e.not_before <= now]
     if not ready:
         later = [e.not_before for e in live]

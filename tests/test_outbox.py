@@ -79,6 +79,12 @@ def test_linger_never_crosses_a_deadline_or_a_newer_version() -> None:
 def test_expired_and_backed_off_results() -> None:
     kw = {"max_count": 32, "max_bytes": 10**6, "linger_s": 0.0, "next_at": None, "held_version": 3}
     es = [entry(0, deadline=99.0), entry(1, not_before=102.0), entry(2)]
+    # past its deadline a result is still tried once (the hub's verdict is the node's record) ...
+    assert ids(plan(es, 100.0, **kw).send) == ["t-0", "t-2"] and not plan(es, 100.0, **kw).expired  # type: ignore[arg-type]
+    # ... and without lingering
+    assert ids(plan([entry(0, deadline=99.0)], 100.0, max_count=32, max_bytes=10**6, linger_s=5.0, next_at=100.1,
+                    held_version=3).send) == ["t-0"]
+    es[0].failures = 1  # tried, failed, and past its deadline: dropped
     p = plan(es, 100.0, **kw)  # type: ignore[arg-type]
     assert ids(p.expired) == ["t-0"] and ids(p.send) == ["t-2"]  # t-1 waits for its retry time
     p = plan(es[:2], 100.0, **kw)  # type: ignore[arg-type]
