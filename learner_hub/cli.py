@@ -1,4 +1,4 @@
-"""``echo2 hub init | run | admit | token | join-string | nodes | ledger | plan | report | export``."""
+"""``echo2 hub init | run | status | admit | token | join-string | nodes | ledger | plan | report | export``."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from pathlib import Path
 
 
 def register(parser: argparse.ArgumentParser) -> None:
-    sub = parser.add_subparsers(dest="hub_cmd", metavar="{init,run,admit,token,join-string,nodes,ledger,plan,report,export}")
+    sub = parser.add_subparsers(dest="hub_cmd", metavar="{init,run,status,admit,token,join-string,nodes,ledger,plan,report,export}")
     sub.required = True
     init = sub.add_parser("init", help="write a commented config and the hub's key", description="write a commented config and the hub's key")
     init.add_argument("--dir", type=Path, required=True, help="hub directory")
@@ -27,6 +27,12 @@ def register(parser: argparse.ArgumentParser) -> None:
 
     def dir_arg(p: argparse.ArgumentParser) -> None:
         p.add_argument("--dir", type=Path, default=Path("."), help="hub directory (default: current directory)")
+
+    status = sub.add_parser("status", help="the hub's status: steps, results, refusals, intake workers",
+                            description="summarise DIR/status.json (what the running hub wrote last)")
+    status.add_argument("--json", action="store_true", help="print status.json as it is")
+    dir_arg(status)
+    status.set_defaults(func=_status)
 
     admit = sub.add_parser("admit", help="add a peer ID to the allowlist", description="add a peer ID to the allowlist (admission = allowlist or token)")
     admit.add_argument("peer_id")
@@ -96,6 +102,19 @@ def register(parser: argparse.ArgumentParser) -> None:
     export.add_argument("--config", type=Path, default=None, help="the run's hub.toml (default: DIR/hub.toml)")
     export.add_argument("--force", action="store_true", help="replace a non-empty --out")
     export.set_defaults(func=_export)
+
+
+def _status(args: argparse.Namespace) -> int:
+    import json
+
+    from echo2.learner_hub.hubsummary import load, render
+
+    st = load(args.dir)
+    if st is None:
+        print(f"no status at {args.dir / 'status.json'}: has a hub run with --dir {args.dir}?")
+        return 1
+    print(json.dumps(st, indent=1) if args.json else render(st))
+    return 0
 
 
 def _init(args: argparse.Namespace) -> int:

@@ -81,6 +81,8 @@ def hub_status(hub: Hub, *, with_nodes: bool = True) -> dict[str, Any]:
         "verification": {"rows_checked": tr.verifier.rows_checked, "rows_rejected": tr.verifier.rows_rejected},
         # the operator's reward functions: completions scored, and those excluded by reason
         "rewards": hub.rewards.report(),
+        # the intake workers (intake_pool.py): alive, restarts, results in flight, verdicts by kind, busy refusals
+        "intake_pool": hub.intake_pool.report(),
         # evaluations through the swarm: {"history": [{"step", "wall_s", "mean_reward", "accuracy", "n"}...], "latest"}
         "eval": hub.evaluator.report(),
         # replay state by pool: admitted peers' never shares room with strangers' (A3)

@@ -206,6 +206,7 @@ class IntakePool:
         self.refused: Counter[str] = Counter()  # busy answers by reason (status)
         self.restarts = 0
         self.checked = 0  # frames examined (whatever the finding)
+        self.verdicts: Counter[str] = Counter()  # what check() answered: "ok" (findings) or the error code
         self._closed = False
         self._workers = [_Worker(i, spec) for i in range(workers)]
 
@@ -242,7 +243,10 @@ class IntakePool:
                 try:
                     out.append(Checked(examine(raw, ctx.peer, ctx.tasks, self.spec.limits, self.decode_batch)))
                 except Echo2Error as exc:
+                    self.verdicts[exc.code] += 1
                     out.append(exc)
+                else:
+                    self.verdicts["ok"] += 1
             return out
         if self._closed:
             return [self._busy("stopping", "the hub is stopping") for _ in raws]
@@ -298,7 +302,10 @@ class IntakePool:
     def _checked(self, reply: Reply) -> Checked | Echo2Error:
         self.checked += 1
         if reply.error is not None:
-            return error_from_wire(*reply.error)
+            err = error_from_wire(*reply.error)
+            self.verdicts[err.code] += 1
+            return err
+        self.verdicts["ok"] += 1
         assert reply.findings is not None
         scored = Scored(*reply.scored) if reply.scored is not None else None
         return Checked(reply.findings, scored, reply.failures, reply.payload)
@@ -357,6 +364,7 @@ class IntakePool:
 
     def _busy(self, reason: str, message: str) -> IntakeBusy:
         self.refused[reason] += 1
+        self.verdicts[IntakeBusy.code] += 1
         return IntakeBusy(message)
 
     def close(self) -> None:
@@ -366,9 +374,12 @@ class IntakePool:
             w.stop()
 
     def report(self) -> dict[str, Any]:
-        return {"workers": self.workers, "checked": self.checked, "restarts": self.restarts,
-                "busy_by_reason": dict(self.refused), "queued": sum(w.queued for w in self._workers),
-                "pids": self.pids()}
+        """The pool's counters (status.json's "intake_pool", `echo2 hub status`): cheap, from
+        counters kept as it goes (and a waitpid poll per worker, not per result)."""
+        return {"workers": self.workers, "workers_alive": sum(1 for w in self._workers if w.exitcode is None),
+                "checked": self.checked, "restarts": self.restarts, "in_flight": sum(w.queued for w in self._workers),
+                "verdicts": dict(self.verdicts), "busy_by_reason": dict(self.refused),
+                "queued": sum(w.queued for w in self._workers), "pids": self.pids()}
 
 
 def worker_spec(cfg: HubConfig, recipe: Recipe, artifacts: dict[str, bytes], intake: Intake) -> WorkerSpec:

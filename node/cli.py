@@ -45,6 +45,9 @@ def register(parser: argparse.ArgumentParser) -> None:
     run.add_argument("--json", action="store_true", dest="json_events",
                      help="progress as JSON events on stdout, one per line (for machines)")
     run.add_argument("--max-tasks", type=int, default=0, help=argparse.SUPPRESS)
+    run.add_argument("--result-linger-ms", type=float, default=0.0, metavar="MS",
+                     help="let a finished result wait up to MS for the next one to go in the same batch, when that "
+                          "one is expected in time (default 0: what is finished goes at once)")
     add_pref_flags(run)
     run.set_defaults(func=_run)
     st = sub.add_parser("status", help="what the running node is doing", description="what the running node is doing")
@@ -94,6 +97,7 @@ def _run(args: argparse.Namespace) -> int:
         join_token=token,
         threads=args.threads,
         max_tasks=args.max_tasks,
+        result_linger_ms=max(0.0, args.result_linger_ms),
         memory_budget_MiB=args.memory_budget_MiB,
         model_hub_offline=not args.allow_model_hub,
         json_events=args.json_events,
@@ -120,7 +124,7 @@ def _status(args: argparse.Namespace) -> int:
         print(json.dumps(state | {"receipts": receipts}, indent=1))
         return 0
     for key in ("peer_id", "hub", "admitted", "admission_reason", "paused", "pause_reason", "version", "tasks_done", "tasks_declined",
-                "results_refused", "tokens", "price_usd_per_hour", "estimated_earnings_usd", "state_age_s"):
+                "results_refused", "outbox_waiting", "mean_batch", "tokens", "price_usd_per_hour", "estimated_earnings_usd", "state_age_s"):
         print(f"{key:24} {state.get(key)}")
     print(render(receipts))
     return 0

@@ -29,6 +29,9 @@ class NodeConfig:
     channel: bool = True
     # ask the home router to forward our ports (UPnP IGD / NAT-PMP, node/portmap.py): auto|upnp|natpmp|off
     port_map: str = "auto"
+    # how long a finished result may wait for the next one to share its ResultBatch, when that
+    # one is expected in time (outbox.plan; 0: what is ready goes at once)
+    result_linger_ms: float = 0.0
     json_events: bool = False  # progress as JSON lines on stdout (`node run --json`), not log lines
     # computing preferences given as flags (prefs.Prefs field -> value); they override DATA_DIR/node.toml
     prefs: dict[str, Any] = field(default_factory=dict)

@@ -11,10 +11,12 @@ again later. A request already on the channel when it breaks fails with ``Transp
 every caller already retries (a result is resealed for its retry, so a copy the hub did take
 reads as a duplicate, never as a replay).
 
-Results go through :meth:`send_result`, which batches what is finished: while one send is on the
-wire, results finished meanwhile queue up and go together in one signed ResultBatch (at most the
-hub's offered count and bytes); a result that finds nothing else waiting goes at once, alone, as
-the plain RESULT request, so batching never adds latency.
+A running node's results go through :meth:`send_batch` (several sealed results in one signed
+ResultBatch, a verdict per item), driven by the node's outbox (:mod:`.taskloop_delivery`, which
+decides what goes together, within :meth:`batch_limits`). :meth:`send_result` batches for callers
+that send results concurrently: while one send is on the wire, results finished meanwhile queue
+up and go together (at most the hub's offered count and bytes); a result that finds nothing else
+waiting goes at once, alone, as the plain RESULT request.
 """
 
 from __future__ import annotations
@@ -133,18 +135,32 @@ class HubLink:
                 item.done.set()
 
     async def _send_batch(self, items: list[_Pending]) -> None:
-        batch = ResultBatch(node_id=self.identity.peer_id, results=[p.sealed for p in items])
+        for item, outcome in zip(items, await self.send_batch([p.sealed for p in items]), strict=True):
+            if isinstance(outcome, bytes):
+                item.reply = outcome
+            else:
+                item.error = outcome
+
+    def batch_limits(self) -> tuple[int, int]:
+        """(results, bytes) one ResultBatch may carry now: the hub's offer while the channel is
+        up; (1, 0) without it (results then go one per request on the control plane)."""
+        offer = self.offer
+        if offer is None or not self.up:
+            return 1, 0
+        return offer.max_batch, offer.max_batch_bytes
+
+    async def send_batch(self, sealed: list[bytes], *, timeout_s: float = 60.0) -> list[bytes | RemoteError]:
+        """Send sealed results as one signed ResultBatch; per item, in order, the hub's receipt or
+        its refusal. A refusal of the whole batch raises RemoteError; a transport failure, or an
+        acknowledgement that does not answer this batch, raises Echo2Error (nothing is known)."""
+        batch = ResultBatch(node_id=self.identity.peer_id, results=list(sealed))
         reply = await self.request(self.hub_peer, RESULTS, envelope.seal(self.identity, batch, ttl_s=300),
-                                   max_response=MAX_CONTROL_REQUEST, timeout_s=60)
+                                   max_response=MAX_CONTROL_REQUEST, timeout_s=timeout_s)
         ack = envelope.open_envelope(reply, BatchAck, replay=self.replay, allowed=self._hub_only).message
-        if ack.node_id != self.identity.peer_id or len(ack.verdicts) != len(items):
+        if ack.node_id != self.identity.peer_id or len(ack.verdicts) != len(sealed):
             raise MeaningError("the hub's batch acknowledgement does not match the batch")
         self.batches_sent += 1
-        for item, v in zip(items, ack.verdicts, strict=True):
-            if v.accepted:
-                item.reply = v.receipt
-            else:
-                item.error = RemoteError(v.code, v.message)
+        return [v.receipt if v.accepted else RemoteError(v.code, v.message) for v in ack.verdicts]
 
     def _hub_only(self, signer: str, _t: type) -> bool:
         return signer == self.hub_peer

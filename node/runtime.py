@@ -67,6 +67,8 @@ log = logging.getLogger(__name__)
 
 #: Relay reports waiting for the hub (one per corrupt chunk seen); more are dropped, not queued.
 MAX_PENDING_REPORTS = 64
+#: how long a stopping node keeps delivering finished results
+DRAIN_S = 10.0
 #: Error codes after which a report is worth sending again later.
 _TRANSIENT_CODES = frozenset({"rate_limited", "busy", "timeout", "internal", "not_admitted", "too_many_streams", "too_slow"})
 
@@ -119,6 +121,8 @@ class Node(TaskLoop):
         self.pauser.on_reply = lambda reply: self.receipts.statement(reply, hub_peer=self.hub_peer, me=self.peer_id,
                                                                      replay=self.replay)
         self.pauser.relay_bytes = lambda: (self.relay.bytes_in + self.relay.bytes_out) if self.relay is not None else 0
+        self._host: ControlHost | None = None
+        self.delivery = self._make_delivery()  # finished results: the outbox and its delivery task
 
     @property
     def peer_id(self) -> str:
@@ -167,6 +171,7 @@ class Node(TaskLoop):
             "tasks_declined": self.stats.tasks_declined,
             "results_refused": self.stats.results_refused,
             "tokens": self.stats.tokens,
+            **self.delivery.report(),
             **self.pauser.status(),
             "price_usd_per_hour": self.cfg.price_usd_per_hour,
             "uptime_s": round(time.time() - self._started, 1),
@@ -192,6 +197,8 @@ class Node(TaskLoop):
         async with ControlHost(self.identity, listen_port=self.cfg.listen_port, listen_host=self.cfg.listen_host) as host:
             host.is_trusted = lambda peer: peer == self.hub_peer  # anyone else gets a stranger's small budget
             self._addrs = list(host.addrs)
+            self._host = host
+            await self.delivery.load()  # what an earlier run finished and could not deliver
             decision = await self._admit(host)
             if decision is None:
                 return 1
@@ -206,11 +213,14 @@ class Node(TaskLoop):
                 nursery.start_soon(self.portmap.run)
                 nursery.start_soon(self._measure_after_admissions, host)
                 nursery.start_soon(self._heartbeat, host)
+                nursery.start_soon(self.delivery.run)
                 nursery.start_soon(self._worker, host, nursery.cancel_scope)
                 nursery.start_soon(self._watch_signals)
                 nursery.start_soon(self.pauser.run, self.link)
                 await self._stop.wait()
                 await self._abandon_current(host)
+                with trio.move_on_after(DRAIN_S):  # what is left stays on disk for the next run
+                    await self.delivery.drain()
                 await self._say_goodbye(host)
                 nursery.cancel_scope.cancel()
         self._write_state()

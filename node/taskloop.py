@@ -29,9 +29,11 @@ from .config import NodeConfig, NodeStats
 from .delivery import deliver_until
 from .generate import TaskMeter, generate_bounded
 from .hublink import HubLink
+from .outbox import Entry
 from .pausing import Pauser
 from .progress import NodeSteps
 from .receipts import ReceiptBook
+from .taskloop_delivery import ResultDelivery
 from .tasks import TaskRefused, open_task
 from .versions import HeldVersion
 
@@ -63,6 +65,8 @@ class TaskLoop:
     _footprint: Footprint | None
     _rows_cap: int
     link: HubLink | None  # the channel to the hub when it is up (hublink.py), else the host
+    delivery: ResultDelivery  # the outbox of finished results and its delivery task
+    _host: ControlHost | None  # the host the worker was started with (what the delivery sends through)
 
     @property
     def peer_id(self) -> str:
@@ -85,6 +89,7 @@ class TaskLoop:
 
     async def _worker(self, host: ControlHost, scope: trio.CancelScope) -> None:
         backoff = Backoff(base_s=0.5, cap_s=HUB_BACKOFF_CAP_S)
+        await self._wait_for_quota()  # results an earlier run left in the outbox count too
         while True:
             await self.pauser.wait_running()
             if self.held is None:
@@ -133,13 +138,20 @@ class TaskLoop:
                     log.info("hub: %s", acc.reply.message)
                     await trio.sleep(0.5)
                 continue
+            if self._stop.is_set():  # stopping while the poll was out: handed back at once
+                await self._decline(host, acc.task, "shutdown", "node is shutting down")
+                return
             if self.pauser.paused:  # paused while the poll was out: handed back at once
                 await self._decline(host, acc.task, "paused", self.pauser.current.reason)
                 continue
             await self._run_task(host, acc.task)
-            if self.cfg.max_tasks and self.stats.tasks_done >= self.cfg.max_tasks:
-                self._stop.set()
-                return
+            await self._wait_for_quota()
+
+    async def _wait_for_quota(self) -> None:
+        """With ``max_tasks``: no more work once the accepted and the waiting results make it up
+        (a refused one frees its place again); the delivery's answers stop the node."""
+        while self.cfg.max_tasks and self.stats.tasks_done + self.delivery.waiting >= self.cfg.max_tasks:
+            await self.delivery.changed()
 
     async def _decline(self, host: ControlHost, task: Task, code: str, reason: str) -> None:
         self.stats.tasks_declined += 1
@@ -170,6 +182,7 @@ class TaskLoop:
             version = self._engine.version
             t0 = time.monotonic()
             declined: tuple[str, str] | None = None
+            self.delivery.generating()  # what waits in the outbox may wait for this one (outbox.plan)
             try:
                 batch_rows = self._plan(task)
                 completions, worked = await trio.to_thread.run_sync(generate_bounded, self._engine, task, batch_rows,
@@ -186,6 +199,7 @@ class TaskLoop:
             gen_s = time.monotonic() - t0
         self._current_task = None
         if declined is not None:
+            self.delivery.idle()
             await self._decline(host, task, *declined)
             return
         tokens = sum(len(c.token_ids) for c in completions)
@@ -211,32 +225,60 @@ class TaskLoop:
             gen_seconds=gen_s,
             tokens=tokens,
         )
+        entry = Entry(task_id=task.task_id, deadline=task.deadline, version=version, ready_at=time.time(), size=0,
+                      result=result)
+        if host is not self._host:  # a caller's own host (a test's or bench's instrumented one): through it, now
+            await self._deliver_now(host, entry)
+            return
+        # into the outbox (on disk) and back to the hub for the next task: the delivery task sends
+        # it, with whatever else is finished, while the next one runs (issue 20)
+        await self.delivery.put(entry)
+        self._write_state()
 
+    async def _deliver_now(self, host: ControlHost, e: Entry) -> None:
         def send() -> Any:
             # sealed afresh for each try (a retry of a request the hub did take must not read as a
             # replay), and each try's bytes count against the transfer caps
-            sealed = envelope.seal(self.identity, result, ttl_s=300)
+            sealed = envelope.seal(self.identity, e.result, ttl_s=300)
             self.pauser.count_bytes(len(sealed))
-            to_hub = self._to_hub(host)
-            if isinstance(to_hub, HubLink):  # batched with other finished results when the channel is up
-                return to_hub.send_result(sealed, timeout_s=30)
             return host.request(self.hub_peer, RESULT, sealed, max_response=MAX_CONTROL_REQUEST, timeout_s=30)
 
-        try:
-            # kept through transient refusals (busy, timeouts) until the task's deadline (A1)
-            reply = await deliver_until(send,
-                                deadline=min(task.deadline, time.time() + 240), backoff=Backoff(base_s=0.5, cap_s=HUB_BACKOFF_CAP_S))
-            self.stats.tasks_done += 1
-            self.stats.tokens += tokens
-            log.info("result of task %s accepted", task.task_id)  # what the crash bench counts as acknowledged
-            await self.receipts.accepted(reply, hub_peer=self.hub_peer, me=self.peer_id, task_id=task.task_id, replay=self.replay)
+        try:  # kept through transient refusals (busy, timeouts) until the task's deadline (A1)
+            reply = await deliver_until(send, deadline=min(e.deadline, time.time() + 240),
+                                        backoff=Backoff(base_s=0.5, cap_s=HUB_BACKOFF_CAP_S))
         except RemoteError as exc:
-            self.stats.results_refused += 1
-            log.warning("hub refused result of task %s: %s", task.task_id, exc)
-            await self.receipts.refused(hub_peer=self.hub_peer, task_id=task.task_id, code=exc.code, reason=exc.message)
+            log.warning("hub refused result of task %s: %s", e.task_id, exc)
+            await self._on_refused(e, exc.code, exc.message)
+            return
         except (Echo2Error, OSError) as exc:
-            log.warning("result of task %s not delivered: %s", task.task_id, exc)
+            log.warning("result of task %s not delivered: %s", e.task_id, exc)
+            return
+        log.info("result of task %s accepted", e.task_id)  # what the crash bench counts as acknowledged
+        await self._on_accepted(e, reply)
+
+    async def _on_accepted(self, e: Entry, reply: bytes) -> None:
+        self.stats.tasks_done += 1
+        self.stats.tokens += e.result.tokens
+        await self.receipts.accepted(reply, hub_peer=self.hub_peer, me=self.peer_id, task_id=e.task_id, replay=self.replay)
         self._write_state()
+        if self.cfg.max_tasks and self.stats.tasks_done >= self.cfg.max_tasks:
+            self._stop.set()
+
+    async def _on_refused(self, e: Entry, code: str, reason: str) -> None:
+        self.stats.results_refused += 1
+        await self.receipts.refused(hub_peer=self.hub_peer, task_id=e.task_id, code=code, reason=reason)
+        self._write_state()
+
+    def _delivery_link(self) -> HubLink | ControlHost:
+        assert self._host is not None, "the delivery task runs inside Node.run"
+        return self._to_hub(self._host)
+
+    def _make_delivery(self) -> ResultDelivery:
+        return ResultDelivery(
+            self.cfg.data_dir / "outbox", self.identity, self.hub_peer, to_hub=self._delivery_link,
+            on_accepted=self._on_accepted, on_refused=self._on_refused,
+            held_version=lambda: self.held.version if self.held is not None else None,
+            count_bytes=self.pauser.count_bytes, linger_s=self.cfg.result_linger_ms / 1e3)
 
 
 def pack_completions(completions: list[Completion]) -> list[PackedCompletion]:
