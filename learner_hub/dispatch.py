@@ -121,6 +121,9 @@ class NodeState:
     # one at a time, weighed at no more than the fleet's median measured rate) until the hub has
     # timed a task of its own
     claimed: bool = False
+    # the last timing (rollouts, seconds, rate before it, weight): results that come back
+    # together (a node's ResultBatch) extend it instead of reading as done in no time
+    last_obs: tuple[float, float, float, float] | None = None
 
     def __setattr__(self, name: str, value: Any) -> None:
         # the dispatcher's indexes follow rate, probation and activity, whoever assigns them
@@ -128,6 +131,10 @@ class NodeState:
         hook = self.__dict__.get("_on_change")
         if hook is not None and name in ("rate", "claimed", "active", "completed_tasks"):
             hook(self, name)
+
+
+#: results of one node this close together were delivered together (a batch), not made in that time
+BURST_S = 0.05
 
 
 @dataclass
@@ -415,13 +422,18 @@ class Dispatcher:
         elapsed = now - start
         st.last_done_at = now
         st.completed_tasks += 1
-        if elapsed <= 0:
+        if elapsed < BURST_S and st.last_obs is not None:
+            # serial work: two timings back to back are one span of their rollouts together
+            n, span, before, a = st.last_obs
+            n, span = n + task.n_rollouts, span + max(0.0, elapsed)
+        elif elapsed > 0:
+            # the first timing replaces a claim outright: a claim never enters the average
+            n, span, before, a = task.n_rollouts, elapsed, st.rate, 1.0 if st.claimed else self.config.ewma_alpha
+        else:
             return
-        obs = task.n_rollouts / elapsed
-        # the first timing replaces a claim outright: a claim never enters the average
-        a = 1.0 if st.claimed else self.config.ewma_alpha
+        st.last_obs = (n, span, before, a)
         st.claimed = False
-        st.rate = max(self.config.min_rate, a * obs + (1 - a) * st.rate)
+        st.rate = max(self.config.min_rate, a * n / span + (1 - a) * before)
 
     def assignee(self, task_id: str) -> str | None:
         """The node a task in flight or recently closed was issued to (None: not known)."""

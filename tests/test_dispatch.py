@@ -194,6 +194,22 @@ def test_pipelined_tasks_timed_from_previous_result() -> None:
     assert d.rate_of("n") == pytest.approx(2.0)
 
 
+def test_results_delivered_together_are_timed_as_one_span() -> None:
+    # a node's ResultBatch: both tasks were made serially in 0..8, the results arrive at once
+    d = make(target_task_s=4.0, ewma_alpha=0.5, max_in_flight_per_node=2)
+    d.submit(groups(2, size=4))
+    d.add_node("n", 1.0)
+    t1, t2 = d.next_tasks(0.0, 0)
+    d.on_result(8.0, t1.task_id, "n", 0, 0, 4)
+    d.on_result(8.0, t2.task_id, "n", 0, 0, 4)  # 8 rollouts in 8 s, not 4 in 8 s then 4 in no time
+    assert d.rate_of("n") == pytest.approx(0.5 * 1.0 + 0.5 * 1.0)
+    # one result alone afterwards is a timing of its own, weighed into the batch's
+    d.submit(groups(1, size=4))
+    (t3,) = d.next_tasks(8.0, 0)
+    d.on_result(10.0, t3.task_id, "n", 0, 0, 4)
+    assert d.rate_of("n") == pytest.approx(0.5 * 2.0 + 0.5 * 1.0)
+
+
 def test_buffer_admission_boundary_and_ageing() -> None:
     buf: ReplayBuffer[str] = ReplayBuffer(staleness=2)
     assert buf.add("g8", 8, learner_step=10)
