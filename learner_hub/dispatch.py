@@ -38,6 +38,7 @@ from enum import StrEnum
 from typing import Any, Generic, TypeVar
 
 from .dispatch_index import CountOn, Deadlines, NodeIndex, plan
+from .rate_timing import Timing, rate_of, timed
 
 log = logging.getLogger(__name__)
 
@@ -123,7 +124,7 @@ class NodeState:
     claimed: bool = False
     # the last timing (rollouts, seconds, rate before it, weight): results that come back
     # together (a node's ResultBatch) extend it instead of reading as done in no time
-    last_obs: tuple[float, float, float, float] | None = None
+    last_obs: Timing | None = None
 
     def __setattr__(self, name: str, value: Any) -> None:
         # the dispatcher's indexes follow rate, probation and activity, whoever assigns them
@@ -131,10 +132,6 @@ class NodeState:
         hook = self.__dict__.get("_on_change")
         if hook is not None and name in ("rate", "claimed", "active", "completed_tasks"):
             hook(self, name)
-
-
-#: results of one node this close together were delivered together (a batch), not made in that time
-BURST_S = 0.05
 
 
 @dataclass
@@ -422,18 +419,11 @@ class Dispatcher:
         elapsed = now - start
         st.last_done_at = now
         st.completed_tasks += 1
-        if elapsed < BURST_S and st.last_obs is not None:
-            # serial work: two timings back to back are one span of their rollouts together
-            n, span, before, a = st.last_obs
-            n, span = n + task.n_rollouts, span + max(0.0, elapsed)
-        elif elapsed > 0:
-            # the first timing replaces a claim outright: a claim never enters the average
-            n, span, before, a = task.n_rollouts, elapsed, st.rate, 1.0 if st.claimed else self.config.ewma_alpha
-        else:
+        obs = timed(st.last_obs, task.n_rollouts, elapsed, st.rate, st.claimed, self.config.ewma_alpha)
+        if obs is None:
             return
-        st.last_obs = (n, span, before, a)
-        st.claimed = False
-        st.rate = max(self.config.min_rate, a * n / span + (1 - a) * before)
+        st.last_obs, st.claimed = obs, False
+        st.rate = rate_of(obs, self.config.min_rate)
 
     def assignee(self, task_id: str) -> str | None:
         """The node a task in flight or recently closed was issued to (None: not known)."""
