@@ -55,6 +55,7 @@ from .rxthread import (
     supported,
     try_take_worker,
 )
+from .sockopts import set_notsent_lowat
 
 log = logging.getLogger(__name__)
 
@@ -189,13 +190,7 @@ class DataConnection:
             return None
 
     def limit_unsent(self, nbytes: int) -> None:
-        """Keep at most about ``nbytes`` written but not yet sent in the kernel (TCP_NOTSENT_LOWAT:
-        the socket is writable again only below it), so that a send that returned is mostly on the
-        wire; best effort (not every platform has it)."""
-        try:
-            self._sock.setsockopt(socket.IPPROTO_TCP, getattr(socket, "TCP_NOTSENT_LOWAT", 25), nbytes)
-        except (OSError, AttributeError):
-            pass
+        set_notsent_lowat(self._sock, nbytes)  # a send that returned is then mostly on the wire
 
     @property
     def usable(self) -> bool:

@@ -27,6 +27,7 @@ import outcome
 import trio
 
 from ..hashing import Hasher, new_hasher
+from .sockopts import set_rcvlowat
 
 #: How often a waiting worker looks at its stop flag (it also wakes as soon as data arrives).
 POLL_SLICE_MS = 20
@@ -74,15 +75,6 @@ def release_worker() -> None:
     with _active_lock:
         assert _active > 0, "release_worker() without try_take_worker()"
         _active -= 1
-
-
-def _set_lowat(sock: socket.socket, n: int) -> int:
-    """Set ``SO_RCVLOWAT``; returns what is in force (1, the default, where it cannot be set)."""
-    try:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT, n)
-    except OSError:
-        return 1
-    return n
 
 
 class PeerClosed(Exception):
@@ -138,7 +130,7 @@ class ThreadedReceive:
                     raise Stopped()
                 want = min(total - got, RCVLOWAT_BYTES)
                 if want != lowat:
-                    lowat = _set_lowat(sock, want)
+                    lowat = set_rcvlowat(sock, want)
                 try:
                     n = sock.recv_into(view[got : got + max_read])
                 except (BlockingIOError, InterruptedError):
@@ -152,7 +144,7 @@ class ThreadedReceive:
             return hasher.digest()
         finally:
             if lowat != 1:
-                _set_lowat(sock, 1)  # the next frame may be a small one: wake the trio side for any byte
+                set_rcvlowat(sock, 1)  # the next frame may be a small one: wake the trio side for any byte
             sock.close()  # closes the duplicate only; the connection's own descriptor stays
 
     def start(self) -> None:
