@@ -126,6 +126,9 @@ class RequestLimits:
     max_stranger_streams_per_ip: int = 64
     min_body_rate_Bps: float = 32 * 1024
     body_grace_s: float = 5.0
+    # How long a served stream waits for its requester to end its side before resetting it
+    # (py-libp2p keeps a stream and its unread window until both sides end it).
+    end_grace_s: float = 2.0
     max_connections_per_ip: int = 64
     # New inbound streams per second of an address's peers not admitted (all protocols, identify
     # and gossip included), counted before the protocol is negotiated: fresh peer IDs are free, so

@@ -2,7 +2,7 @@
 
 How the host is built is where most of py-libp2p 0.8.1's traps (BRIEF §9) are defused: Noise
 alone as security (the default list also offers ``/plaintext/2.0.0``, secio and TLS), Yamux
-alone as muxer, connection limits sized for a fleet, every negotiation bounded by the dial
+alone as muxer (held to the receive windows it grants: :mod:`.yamux_guard`), connection limits sized for a fleet, every negotiation bounded by the dial
 timeout, and the auto-connector never started.
 """
 
@@ -24,10 +24,11 @@ from libp2p.rcmgr import ResourceLimits, new_resource_manager
 from libp2p.security.noise.transport import PROTOCOL_ID as NOISE_PROTOCOL_ID
 from libp2p.security.noise.transport import Transport as NoiseTransport
 from libp2p.stream_muxer.yamux.yamux import PROTOCOL_ID as YAMUX_PROTOCOL_ID
-from libp2p.stream_muxer.yamux.yamux import Yamux
 
 from ..errors import Echo2Error, IdentityError, TransportError
 from ..identity import Identity
+from .yamux_guard import WindowedYamux
+from .yamux_guard import install as install_yamux_guard
 
 
 def keypair_from_identity(identity: Identity) -> KeyPair:
@@ -44,6 +45,7 @@ def build_host(
     keypair: KeyPair, listen: multiaddr.Multiaddr, *, max_connections: int, dial_timeout_s: float
 ) -> IHost:
     """A py-libp2p host with Noise alone, Yamux alone, and our connection limits and timeouts."""
+    install_yamux_guard()
     # A fresh X25519 static key per run is what Noise XX expects: identity is proven by the
     # Ed25519 signature over it in the handshake payload, not by the static key itself.
     noise = NoiseTransport(keypair, noise_privkey=create_new_x25519_key_pair().private_key)
@@ -68,7 +70,7 @@ def build_host(
     host = new_host(
         key_pair=keypair,
         sec_opt={NOISE_PROTOCOL_ID: noise},
-        muxer_opt={TProtocol(YAMUX_PROTOCOL_ID): Yamux},
+        muxer_opt={TProtocol(YAMUX_PROTOCOL_ID): WindowedYamux},
         listen_addrs=[listen],
         connection_config=conn_cfg,
         resource_manager=rcmgr,
