@@ -70,6 +70,7 @@ from .rewards import RewardRunner, Scored, TrainerState, apply_scores, batch_of,
 from .rows import Group, encode_groups
 from .serve import serve
 from .status_http import StatusSnapshot
+from .status_lists import StepLists
 from .status_nodes import NodeFragments
 from .store import HubStore
 from .storeworker import StoreWorker
@@ -148,6 +149,7 @@ class Hub:
         self.curves = HubCurves()  # the status page's curves (curves.py)
         self.status_snapshot: StatusSnapshot | None = None  # the last status written (the HTTP server serves it)
         self.status_nodes = NodeFragments()  # status.json's per-node entries, re-encoded where they changed
+        self.status_lists = StepLists()  # and its step lists, each entry encoded once
         self.started = self.trainer.started
         self.done, self.finished = trio.Event(), False
         self._status_lock: trio.Lock | None = None

@@ -24,6 +24,7 @@ import trio
 from echo2.fsutil import atomic_write
 
 from .status_http import StatusSnapshot, json_safe
+from .status_lists import StepLists
 from .status_nodes import strict_json
 
 if TYPE_CHECKING:
@@ -185,12 +186,15 @@ async def write_status_in_chunks(hub: Hub, path: Path, extra: dict[str, Any]) ->
         t1 = time.thread_time()
         curves, curves_text = hub.curves.encoded()  # cached: rebuilt only when a point was added
         last_write["curves_cpu_ms"] = round((time.thread_time() - t1) * 1e3, 3)
+        small = {k: v for k, v in base.items() if k not in StepLists.KEYS}
         try:  # strict JSON (a browser's JSON.parse refuses NaN); rarely needed, so tried second
-            head = timed(strict_json, base)
+            head = timed(strict_json, small)
         except ValueError:
-            head = timed(strict_json, json_safe(base))
+            head = timed(strict_json, json_safe(small))
+        steps = hub.status_lists.members(base)  # cached per entry: status_lists.py
         body = timed(frags.body, peers)
-        start = (head[:-1] + ", " if len(head) > 2 else "{") + '"curves": ' + curves_text + ', "nodes": '
+        start = ((head[:-1] + ", " if len(head) > 2 else "{") + (steps + ", " if steps else "")
+                 + '"curves": ' + curves_text + ', "nodes": ')
         data = timed(b"".join, (start.encode(), body, b"}"))
         last_write["build_cpu_ms"] = round((time.thread_time() - t_build) * 1e3, 3)
         last_write["entries_rebuilt"] = rebuilt
