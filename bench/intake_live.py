@@ -26,6 +26,10 @@ nodes marked hub-timed and holding version 0 after admission (as in the in-proce
 node's tasks in flight capped at max(2, B) so that B can be batched; the channel address handed
 to the clients (a node asks for it with CHANNEL on the control plane); the channel's per-IP
 handshake rate off (every simulated node dials from 127.0.0.1).
+
+``ECHO2_INTAKE_PROFILE=FILE`` (environment): the hub's trio thread is profiled with cProfile on
+its own CPU time (``time.thread_time``, so time spent waiting for a contended core is not
+counted) through the results phase, and the stats are written to FILE (``python -m pstats``).
 """
 
 from __future__ import annotations
@@ -70,6 +74,16 @@ def _tree_cpu_s(pid: int, *, own: bool = False) -> float:
         if int(p) == pid or int(fields[1]) == pid:
             total += (int(fields[11]) + int(fields[12])) / tck
     return total
+
+
+def _thread_cpu_s(pid: int) -> float:
+    """CPU seconds of ``pid``'s main thread alone (the hub's trio loop)."""
+    try:
+        with open(f"/proc/{pid}/task/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def _rss_mb(pid: int) -> float:
@@ -171,8 +185,19 @@ async def _hub_main(hub: Any, n: int, cmd: Any, out: Any) -> None:
                 await ticker.run()
 
         nursery.start_soon(run_lag, lag_scope, lag)
+        profile_to, profiler, lags = os.environ.get("ECHO2_INTAKE_PROFILE"), None, 0
         while True:
             what = await trio.to_thread.run_sync(cmd.get)
+            if what == "lag" and profile_to:  # the 1st ends the idle phase, the 2nd the results phase
+                lags += 1
+                if lags == 1:
+                    import cProfile
+
+                    profiler = cProfile.Profile(time.thread_time)
+                    profiler.enable()
+                elif lags == 2 and profiler is not None:
+                    profiler.disable()
+                    profiler.dump_stats(profile_to)
             if what == "stop":
                 nursery.cancel_scope.cancel()
                 return
@@ -234,6 +259,7 @@ async def _client_main(role: str, info: dict[str, Any], seeds: list[int], batch:
     def result_for(node: Identity, task: Task) -> bytes:
         comps = [PackedCompletion(i, pack_ids([rng.choice(plain) for _ in range(SMALL_TOKENS)]), lps, "length")
                  for i in range(len(task.prompts)) for _ in range(task.group_size)]
+        c["completions"] += len(comps)
         r = PackedResult(task_id=task.task_id, task_hash=task_hash(task), node_id=node.peer_id, version=0,
                          completions=comps, started_at=time.time(), gen_seconds=0.1, tokens=SMALL_TOKENS * len(comps))
         return envelope.seal(node, r, ttl_s=300)
@@ -352,7 +378,7 @@ def _phase(ctx: Any, hub_pid: int, role: str, info: dict[str, Any], parts: list[
         p.start()
     for _ in procs:
         assert q.get(timeout=600) == "ready"
-    c0, o0, t0 = _tree_cpu_s(hub_pid), _tree_cpu_s(hub_pid, own=True), time.perf_counter()
+    c0, o0, m0, t0 = _tree_cpu_s(hub_pid), _tree_cpu_s(hub_pid, own=True), _thread_cpu_s(hub_pid), time.perf_counter()
     go.set()
     counts: Counter[str] = Counter()
     first_error: dict[str, str] = {}
@@ -365,6 +391,7 @@ def _phase(ctx: Any, hub_pid: int, role: str, info: dict[str, Any], parts: list[
         counts["first_error"] = first_error  # type: ignore[assignment]
     for p in procs:
         p.join(30)
+    counts["_main_thread_cpu_s"] = _thread_cpu_s(hub_pid) - m0  # type: ignore[assignment]
     return (dict(counts), _tree_cpu_s(hub_pid) - c0, _tree_cpu_s(hub_pid, own=True) - o0,
             time.perf_counter() - t0)
 
@@ -409,10 +436,14 @@ def run_size(n: int, clients: int, batch: int, duration_s: float, idle_s: float,
             "accepted": acc, "messages": counts.get("messages", 0), "wall_s": round(wall_r, 2),
             "accepted_per_s": round(acc / wall_r, 1) if wall_r else 0.0,
             "heartbeats": counts.get("heartbeats", 0),
+            # completions in the results answered (a small result is SMALL_COMPLETIONS)
+            "completions_per_result": round(counts.get("completions", 0) / acc, 2) if acc else None,
             "hub_cpu_ms_per_result": round(cpu_r * 1e3 / acc, 3) if acc else None,
             "hub_cpu_ms_per_result_net": round((cpu_r - idle_rate * wall_r) * 1e3 / acc, 3) if acc else None,
             # the hub process alone, its intake workers apart (issue 20: <= 0.4x of workers 0)
             "hub_process_cpu_ms_per_result": round(own_r * 1e3 / acc, 3) if acc else None,
+            # of which the trio loop's thread (the rest: store, reward and hand-off threads)
+            "hub_loop_thread_cpu_ms_per_result": round(counts.get("_main_thread_cpu_s", 0.0) * 1e3 / acc, 3) if acc else None,
             "refused": {k[8:]: v for k, v in counts.items() if k.startswith("refused:")},
             "errors": {k[7:]: v for k, v in counts.items() if k.startswith("errors:")},
             "first_error": counts.get("first_error", {}),
@@ -424,6 +455,7 @@ def run_size(n: int, clients: int, batch: int, duration_s: float, idle_s: float,
             "answered": hbs, "with_task": hb_counts.get("heartbeats_with_task", 0), "wall_s": round(wall_h, 2),
             "hub_cpu_ms_per_heartbeat": round(cpu_h * 1e3 / hbs, 3) if hbs else None,
             "hub_cpu_ms_per_heartbeat_net": round((cpu_h - idle_rate * wall_h) * 1e3 / hbs, 3) if hbs else None,
+            "hub_loop_thread_cpu_ms_per_heartbeat": round(hb_counts.get("_main_thread_cpu_s", 0.0) * 1e3 / hbs, 3) if hbs else None,
             "loop_lag_p99_ms": lag_h["loop_lag_p99_ms"], "loop_lag_max_ms": lag_h["loop_lag_max_ms"],
         },
         "hub_rss_mb": round(rss, 1),
@@ -446,7 +478,8 @@ def run_live(args: argparse.Namespace) -> int:
             r, h = row["results"], row["heartbeats"]
             print(f"nodes={n:>6} clients={args.clients} batch={args.batch} workers={w}: {r['accepted_per_s']} accepted results/s,"
                   f" hub CPU {r['hub_cpu_ms_per_result']} ms/result (net of idle {r['hub_cpu_ms_per_result_net']};"
-                  f" hub process alone {r['hub_process_cpu_ms_per_result']}),"
+                  f" hub process alone {r['hub_process_cpu_ms_per_result']}, its loop thread {r['hub_loop_thread_cpu_ms_per_result']}),"
+                  f" {r['completions_per_result']} completions/result, {r['heartbeats']} heartbeats;"
                   f" {h['hub_cpu_ms_per_heartbeat']} ms/heartbeat (net {h['hub_cpu_ms_per_heartbeat_net']});"
                   f" loop lag p99 {r['loop_lag_p99_ms']} / {h['loop_lag_p99_ms']} ms, max {r['loop_lag_max_ms']} /"
                   f" {h['loop_lag_max_ms']} ms; idle {row['idle']['hub_cpu_ms_per_s']} ms/s (loop lag p99"

@@ -246,7 +246,10 @@ class Hub:
         # versions_held is informational: after a hub restart a node may hold versions of the
         # crashed run under the same numbers, so only HoldsVersion for versions this hub process
         # sent counts (see on_holds).
-        self._pump()
+        if not node.mailbox or self.fleet.eligibility_changed:
+            # a node with a task waiting takes it: what the pump would hand out is decided by the
+            # results, declines and steps that change it, each pumping (skipped: ~60 us a heartbeat)
+            self._pump()
         with trio.move_on_after(WORK_POLL_S):
             while not node.mailbox:
                 node.wakeup = trio.Event()
