@@ -59,9 +59,7 @@ from .sockopts import set_notsent_lowat
 
 log = logging.getLogger(__name__)
 
-#: Bodies up to this size are received into one buffer allocated up front; larger ones grow
-#: piece by piece as bytes arrive.
-_ALLOC_STEP = 8 * MiB
+_ALLOC_STEP = 8 * MiB  # bodies up to this: one buffer up front; larger ones grow as bytes arrive
 #: Large single reads: fewer syscalls and trio checkpoints per byte.
 _RECV_MAX = 4 * MiB
 #: Payloads go to the kernel in slices: one 4 MiB send() mostly returns short on loopback and
