@@ -73,9 +73,10 @@ def test_download_cap_is_honoured() -> None:
 
 
 def test_ten_thousand_nodes_is_fast() -> None:
-    t0 = time.perf_counter()
+    # CPU time, not wall time: a loaded machine (load 12 here once) must not fail it
+    t0 = time.process_time()
     r = simulate("pipelined", 10_000, 16, 10, chunk_bytes=1 << 20)
-    assert time.perf_counter() - t0 < 20  # a few seconds on a quiet machine
+    assert time.process_time() - t0 < 20  # a few seconds of CPU
     assert len(r.node_seconds) == 10_000
     # 16 chunks through a 14-hop pipeline of 2 stripes: time ≈ M/B·(1 + 2·depth/k), far from star's 10^4
     assert r.ratio <= 1 + 2 * (r.depth + 1) / r.n_chunks
