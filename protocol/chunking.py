@@ -10,11 +10,18 @@ Two costs pull the chunk size ``c`` apart, both as fractions of the floor ``M/b`
   CPU is taken, ``h·b/c``. Measured on network namespaces with tbf at 8 MB/s (N = 8, 32 MB, the
   2-core machine shared with other jobs, load 14-19): 128 KiB chunks 2.34-3.21 x M/b, 256 KiB
   1.89, 512 KiB 1.60, 1 MiB 1.60-1.82, 2 MiB 2.13; a relay window in bytes instead of 2 chunks
-  did not help 128 KiB (2.79, 3.21), so it is CPU per chunk, not data in flight.
+  did not help 128 KiB (2.79, 3.21), so it is CPU per chunk, not data in flight. Measured again
+  after the data plane's CPU per chunk came down (ready frames forwarded as received, 64 KiB
+  unsent per relay link, tbf burst 128 KB; issue 18, 2026-12-04, same N, M and links, load 7-10,
+  runs of two sizes interleaved): 512 KiB 1.218-1.285 (5 runs, 12-14 CPU-s per relayed GB),
+  256 KiB 1.146-1.160 (5 runs, 16-21 CPU-s/GB), 128 KiB 1.115 and 1.291 (29 CPU-s/GB: the two
+  shared cores run out); N = 16: 512 KiB 1.253, 1.292, 256 KiB 1.230, 1.273. The fill costs
+  more than ``S·D·c/M`` says (a hop also waits for the relay's turn on a shared core), so a
+  half-size chunk gained 0.09 x M/b where the model says 0.065.
 
 The rule picks the power of two that minimises ``S·D·c/M + H/c`` (``H = h·b``, default
-:data:`DEFAULT_PER_CHUNK_BYTES`, fitted to the optimum measured above: ``c* = sqrt(H·M/(S·D))``
-= 512 KiB there), within limits:
+:data:`DEFAULT_PER_CHUNK_BYTES`, fitted to the runs above: ``c* = sqrt(H·M/(S·D))`` = 357 kB,
+256 KiB, at N = 8 and 16 for 32 MB; 64 kB, the first fit, chose 512 KiB), within limits:
 
 - in flight: a parent keeps at most ``window`` chunks outstanding per child, so a child's stream
   is capped at ``window · c / rtt``; a 10 MB/s link shared by ``S = 2`` children over a 50 ms
@@ -26,9 +33,9 @@ The rule picks the power of two that minimises ``S·D·c/M + H/c`` (``H = h·b``
   node holds ``window`` chunks per child in flight; :data:`MAX_CHUNK_SIZE` = 16 MiB keeps that
   small; an encoded chunk also fits the data plane's default 32 MiB CHUNK frame (star path).
 
-Resulting sizes: N = 8: 8 MB 256 KiB, 32 MB 512 KiB, 1 GB 2 MiB (k = 477); N = 1000: 8 MB
-128 KiB (fill 0.35: small versions on deep plans stay costly), 32 MB 256 KiB, 1 GB 2 MiB, 16 GB
-8 MiB.
+Resulting sizes: N = 8 or 16: 8 MB 128 KiB, 32 MB 256 KiB, 256 MB 1 MiB, 1 GB 2 MiB (k = 477),
+16 GB 8 MiB; N = 1000: 8 MB 128 KiB (fill 0.35: small versions on deep plans stay costly),
+32 MB 256 KiB, 256 MB 512 KiB, 1 GB 1 MiB, 16 GB 4 MiB.
 
 Sizes are powers of two, so that a fleet that grows or shrinks a little keeps its chunk size: a
 delta version is packed against its parent only if both have the same chunk size
@@ -47,8 +54,8 @@ import math
 KiB = 1024
 MiB = 1024 * KiB
 
-#: per-chunk cost as bytes of link time (h·b), see the module doc
-DEFAULT_PER_CHUNK_BYTES = 64_000
+#: per-chunk cost as bytes of link time (h·b, 4 ms of an 8 MB/s link), see the module doc
+DEFAULT_PER_CHUNK_BYTES = 32_000
 MIN_CHUNK_SIZE = 64 * KiB
 MAX_CHUNK_SIZE = 16 * MiB
 MAX_CHUNKS_PER_VERSION = 65536

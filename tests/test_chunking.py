@@ -83,15 +83,16 @@ def test_publisher_follows_the_fleet() -> None:
     sizes = []
 
     async def go() -> None:
-        for v, n in enumerate([1, 4, 1000]):
+        for v, n in enumerate([1, 8, 10_000]):
             fleet[0] = n
             p = await pub.publish(v, {"w": w + v * 1e-3})
             packing.verify_manifest_consistency(p.packed.manifest)  # what a node checks
             sizes.append((p.packed.manifest.chunk_size, p.packed.manifest.parent))
 
     trio.run(go)
-    # 1 node: 1 MiB; 4 nodes would choose 512 KiB, within 2x: kept, so v1 is a delta of v0;
-    # 1000 nodes (10 hops): 256 KiB, a full version
-    assert sizes == [(1 << 20, None), (1 << 20, 0), (256 * 1024, None)]
+    # 1 node: 512 KiB; 8 nodes would choose 256 KiB, within 2x: kept, so v1 is a delta of v0;
+    # 10,000 nodes (15 hops): 128 KiB, 4x smaller, a full version
+    assert chunking.choose_chunk_size(32 * MB, 8) == 256 * 1024
+    assert sizes == [(512 * 1024, None), (512 * 1024, 0), (128 * 1024, None)]
     fixed = PolicyPublisher(Identity.generate(), "{}", {}, SimpleNamespace(chunk_bytes=4096, full_every=10))
     assert fixed.chunk_size_for(10**9) == 4096
