@@ -12,7 +12,10 @@ say, in seconds after publication,
   stripe: ``wait`` (parent verified -> queued for this child) and ``xfer`` (queued -> the child
   verified it: its turn on the link, the transfer, the child's receive and check), against one
   chunk's time at the stripe rate (``c·S/b``, what the pipeline costs per hop when a relay feeds
-  ``S`` children at once).
+  ``S`` children at once);
+- once the hub's upload is idle (its last send done), how many chunk deliveries the nodes still
+  lacked, against how many the idle hub could have sent before the last node finished (what an
+  endgame, the hub sending tail chunks straight to the nodes furthest behind, could take over).
 """
 
 from __future__ import annotations
@@ -104,6 +107,14 @@ def tail_report(
         lines.append(f"depth {d}: {len(x)} hops of the last {tail_chunks} chunks per stripe: wait median "
                      f"{statistics.median(w):.3f} p90 {_pct(w, 0.9):.3f}, xfer median {statistics.median(x):.3f} "
                      f"p90 {_pct(x, 0.9):.3f} (one chunk at the stripe rate: {per_hop:.3f})")
-    firsts = sorted(max(r.values()) for n, r in rx.items() if n != hub and len(r) == n_chunks)
-    lines.append("finish per node (trace): " + " ".join(f"{t:.3f}" for t in firsts))
+    finish = sorted(max(r.values()) for n, r in rx.items() if n != hub and len(r) == n_chunks)
+    lines.append("finish per node (trace): " + " ".join(f"{t:.3f}" for t in finish))
+    # What an endgame could take over: once the hub's upload is idle, the chunk deliveries still
+    # outstanding, against what the idle hub could send at full rate before the last node finished.
+    hub_done = max((t for (p, _c), d in tx.items() if p == hub for t in d.values()), default=float("nan"))
+    owed = {n: sum(1 for t in r.values() if t > hub_done) for n, r in rx.items() if n != hub and len(r) == n_chunks}
+    if owed and hub_done == hub_done:
+        lines.append(f"at the hub's last send ({hub_done:.3f}) nodes still lacked {sum(owed.values())} chunks "
+                     f"(most {max(owed.values())}); the idle hub could send {(finish[-1] - hub_done) / chunk_seconds:.1f} "
+                     "at full rate before the last node finished")
     return lines

@@ -87,7 +87,12 @@ def test_tail_report_follows_the_last_chunk_and_splits_hops() -> None:
         assert float(depth[d].group(3)) == pytest.approx(0.01) and float(depth[d].group(5)) == pytest.approx(0.1)
     # last 2 chunks per stripe (4..7): depth 1 once per chunk, depth 2 twice (stripe 0: n2, n1; stripe 1: n3, n0)
     assert int(depth[1].group(2)) == 4 and int(depth[2].group(2)) == 8 and int(depth[3].group(2)) == 4
-    assert lines[-1] == "finish per node (trace): 0.910 1.010 1.020 1.120"  # n1, n0, n3, n2
+    assert lines[-2] == "finish per node (trace): 0.910 1.010 1.020 1.120"  # n1, n0, n3, n2
+    # the hub's last send done at 0.850: chunk 7 still owed to all 4 (n1 verified it at 0.900),
+    # chunk 6 to n2, n1 (0.910) and n3 (1.020), chunk 5 to n2 (0.920): 8, n2 3 of them;
+    # (1.120 - 0.850) / 0.05 = 5.4 sends of the idle hub
+    assert lines[-1] == ("at the hub's last send (0.850) nodes still lacked 8 chunks (most 3); the idle hub could "
+                         "send 5.4 at full rate before the last node finished")
 
 
 def test_tail_report_without_a_complete_node() -> None:
