@@ -10,6 +10,8 @@ hub upload at ``--link-MBps`` (unless ``--hub-MBps`` is given).
 version of ``--mbytes`` MB of random (incompressible) bytes. ``--netns`` puts the hub and each node in
 its own network namespace with the kernel's tbf on its upload instead (``echo2.bench.netns``).
 The chunk size defaults to the publisher's rule (``echo2.protocol.chunking``: from M and N).
+``--trace`` (real pipelined runs) has the hub and every node write a per-chunk trace
+(``echo2.node.relay_trace``) and prints where the tail went (``echo2.bench.broadcast_trace``).
 """
 
 from __future__ import annotations
