@@ -10,6 +10,8 @@ hub upload at ``--link-MBps`` (unless ``--hub-MBps`` is given).
 version of ``--mbytes`` MB of random (incompressible) bytes. ``--netns`` puts the hub and each node in
 its own network namespace with the kernel's tbf on its upload instead (``echo2.bench.netns``).
 The chunk size defaults to the publisher's rule (``echo2.protocol.chunking``: from M and N).
+``--trace`` (real pipelined runs) has the hub and every node write a per-chunk trace
+(``echo2.node.relay_trace``) and prints where the tail went (``echo2.bench.broadcast_trace``).
 """
 
 from __future__ import annotations
@@ -98,13 +100,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                      help="plan NATed nodes as relays (what NAT traversal will allow); default: leaves, as today")
     wan.add_argument("--churn", type=float, default=0.0, help="this share of nodes leaves, as many join, during the broadcast")
     wan.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--trace", action="store_true",
+                        help="real pipelined runs: a per-chunk trace of the hub and every node (node/relay_trace.py), "
+                             "and where the tail goes (bench/broadcast_trace.py) under each row")
     parser.add_argument("--json", default=None, help="write results here")
     parser.add_argument("--plot", default=None, help="PNG: seconds against N for each mode, with the floor M/B")
 
 
 
 def _spawn_nodes(n: int, hub_addr: str, hub_peer: str, link_MBps: float, root: str,
-                 corrupt: frozenset[int] = frozenset(), net: Any = None, punch: bool = False) -> list[Any]:
+                 corrupt: frozenset[int] = frozenset(), net: Any = None, punch: bool = False,
+                 trace: bool = False) -> list[Any]:
     """Node ``i`` on 127.0.0.1 behind its token bucket, or (``net``: a ``bench.netns.Net``) in
     host ``i + 1``'s namespace, its upload shaped by the kernel only (it announces the link rate)."""
     import subprocess
@@ -123,6 +129,8 @@ def _spawn_nodes(n: int, hub_addr: str, hub_peer: str, link_MBps: float, root: s
             cmd.append("--corrupt")
         if punch:
             cmd.append("--punch")
+        if trace:
+            cmd += ["--trace", os.path.join(d, "trace.txt")]
         if net is not None and net.upnp:
             cmd += ["--port-map", "auto"]
         with open(os.path.join(d, "log.txt"), "wb") as logf:
@@ -203,7 +211,8 @@ async def _dial_back(sender: Any, timeout_s: float = 3.0) -> dict[str, bool]:
 
 
 async def _real_mode(mode: str, n: int, mbytes: float, link_MBps: float, hub_MBps: float, chunk: int,
-                     root: str, connect_timeout_s: float = 180.0, net: Any = None, punch: bool = False) -> dict[str, object]:
+                     root: str, connect_timeout_s: float = 180.0, net: Any = None, punch: bool = False,
+                     trace: bool = False) -> dict[str, object]:
     """One broadcast of ``mbytes`` to ``n`` real node processes. Under ``net`` (a netns LAN), the
     hub first learns each node's reachability by dialing it back, so NATed nodes (``net.nat``)
     are planned as such."""
@@ -234,13 +243,16 @@ async def _real_mode(mode: str, n: int, mbytes: float, link_MBps: float, hub_MBp
     # Incompressible: zstd stores random bytes as they are, so M MB really travel.
     state = {"w": torch.from_numpy(np.random.default_rng(1).integers(0, 256, total, dtype=np.uint8))}
     procs: list[Any] = []
+    trace = trace and mode == "pipelined"
+    hub_trace = os.path.join(root, mode, "hub_trace.txt")
+    t_pub = 0.0
     try:
         async with trio.open_nursery() as nursery:
             await nursery.start(server.serve)
             if mode == "pipelined":
                 sender.data_addr = server.addr
             procs = _spawn_nodes(n, server.addr, identity.peer_id, link_MBps, os.path.join(root, mode), net=net,
-                                 punch=punch)
+                                 punch=punch, trace=trace)
             with trio.fail_after(connect_timeout_s):
                 while len(sender.hello) < n:
                     await sender.changed.wait()
@@ -265,6 +277,13 @@ async def _real_mode(mode: str, n: int, mbytes: float, link_MBps: float, hub_MBp
             # (``ip netns exec`` execs the node in place, so the pid is the node's) and this hub.
             pids = [p.pid for p in procs] + [os.getpid()]
             cpu0, hub_cpu0 = _cpu_seconds(pids), _cpu_seconds([os.getpid()])
+            if trace:
+                import time
+
+                from echo2.node import relay_trace
+
+                trace_file = relay_trace.install(sender.driver, hub_trace, identity.peer_id)
+                t_pub = time.monotonic()
             sender.notify()
             limit = 20 * mbytes / min(link_MBps, hub_MBps) * max(1.0, n / 4) + 60
             with trio.fail_after(limit):
@@ -279,14 +298,19 @@ async def _real_mode(mode: str, n: int, mbytes: float, link_MBps: float, hub_MBp
             home_ips = {net.public_ip(j) for j in net.nat} if net is not None else set()
             homes = {p for p, lk in sender.driver.links.items() if lk.conn.remote_ip() in home_ips}
             per_node = _per_node(sender)
+            plan = sender.cur.plan if trace else None  # before the nodes stop (each leave repairs it)
             nursery.cancel_scope.cancel()
     finally:
         _stop_nodes(procs, net)
+        if trace and t_pub:
+            trace_file.close()
     assert m is not None
     assert publisher.latest is not None
     chunk = publisher.latest.packed.manifest.chunk_size
     ideal = mbytes / min(link_MBps, hub_MBps)
     hub_sent = int(sender.bytes_sent)
+    chunk_s = chunk / (min(link_MBps, hub_MBps) * MB * (TBF_GOODPUT if net else 1.0))
+    tail = _tail(sender, plan, root, mode, n, hub_trace, t_pub, chunk_s) if trace else []
     return {
         "mode": mode,
         "nodes": n,
@@ -322,7 +346,29 @@ async def _real_mode(mode: str, n: int, mbytes: float, link_MBps: float, hub_MBp
         "punched": int(m.get("punched", 0)),
         "punch_fallbacks": int(m.get("punch_fallbacks", 0)),
         "per_node": per_node,
+        "trace": tail,
     }
+
+
+def _tail(sender: Any, plan: Any, root: str, mode: str, n: int, hub_trace: str, t_pub: float,
+          chunk_seconds: float) -> list[str]:
+    """Where the tail went (bench/broadcast_trace.py), from the traces the hub and nodes wrote."""
+    from echo2.bench.broadcast_trace import tail_report
+    from echo2.node import relay_trace
+
+    cur, m = getattr(sender, "cur", None), sender.metrics.get(1)
+    if cur is None or plan is None or m is None or not t_pub:
+        return ["no trace: no plan or no version"]
+    traces: dict[str, list[Any]] = {}
+    for path in [hub_trace] + [os.path.join(root, mode, f"node{i}", "trace.txt") for i in range(n)]:
+        evs = relay_trace.read(path)
+        me = next((e[4] for e in evs if e[1] == "me"), None)
+        if me is not None:
+            traces[me] = evs
+    names = {p: f"n{i}" for i, p in enumerate(sorted(m.holds))}
+    names[plan.hub] = "hub"
+    return tail_report(traces, plan, t_pub, version=1, n_chunks=len(cur.pub.packed.manifest.chunks), names=names,
+                       chunk_seconds=chunk_seconds)
 
 
 def _per_node(sender: Any) -> list[dict[str, object]]:
@@ -359,6 +405,7 @@ def run_real(args: argparse.Namespace) -> list[dict[str, object]]:
 
     chunk = args.chunk_bytes or 0
     hub_MBps = args.hub_MBps or args.link_MBps
+    trace = bool(getattr(args, "trace", False))
     if getattr(args, "netns", False) and args.hub_MBps and args.hub_MBps != args.link_MBps:
         raise SystemExit("--netns shapes every host at --link-MBps; --hub-MBps is not supported there")
     rows: list[dict[str, object]] = []
@@ -374,9 +421,10 @@ def run_real(args: argparse.Namespace) -> list[dict[str, object]]:
                     with Net(n + 1, args.link_MBps, nat=homes, isolate_homes=getattr(args, "isolate_homes", False),
                              upnp=bool(getattr(args, "upnp", False)), **burst) as net, net.inside(0):
                         row = trio.run(_real_mode, mode, n, args.mbytes, args.link_MBps, hub_MBps, chunk, root,
-                                       180.0, net, bool(getattr(args, "punch", False)))
+                                       180.0, net, bool(getattr(args, "punch", False)), trace)
                 else:
-                    row = trio.run(_real_mode, mode, n, args.mbytes, args.link_MBps, hub_MBps, chunk, root)
+                    row = trio.run(_real_mode, mode, n, args.mbytes, args.link_MBps, hub_MBps, chunk, root, 180.0, None,
+                                   False, trace)
                 used = int(row["chunk_bytes"])  # type: ignore[call-overload]
                 # tbf shapes whole frames: 1448 TCP payload bytes per 1514 on the wire (MTU 1500
                 # with timestamps), so the simulator gets the goodput of a shaped link
@@ -480,6 +528,8 @@ def run(args: argparse.Namespace) -> int:
                   f"uploaded {int(r['home_sent_bytes']) / 1e6:.1f} MB, {int(r['home_sent_bytes']) / home_n / 1e6:.1f} MB each")  # type: ignore[call-overload]
         for pn in r.get("per_node", []):  # type: ignore[attr-defined]
             print(f"{'':<10}   {pn}")
+        for line in r.get("trace", []):  # type: ignore[attr-defined]
+            print(f"{'':<10} trace: {line}")
         if "ratio_fluid" in r:
             print(f"{'':<10} fluid bound {r['fluid_seconds']:.2f}s, ratio to it {r['ratio_fluid']:.3f}; "
                   f"{r['nat_nodes']} NATed uploaded {int(r['nat_sent_bytes']) / 1e6:.1f} MB; "  # type: ignore[call-overload]

@@ -15,6 +15,7 @@ import trio
 
 from echo2.keyfile import load_or_create_identity
 
+from . import relay_trace
 from .chunkstore import ChunkStore
 from .portmap import MODES, PortMapper
 from .relay_runtime import RelayNode
@@ -38,6 +39,7 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--port-map", dest="port_map", choices=MODES, default="off",
                    help="ask the home router to forward the data port (node.portmap); off here: a bench's choice")
     p.add_argument("--corrupt", action="store_true", help="fault injection: corrupt every chunk sent")
+    p.add_argument("--trace", default=None, help="write a per-chunk trace here (node.relay_trace; benches)")
     p.add_argument("--log-level", default="WARNING")
     return p.parse_args(argv)
 
@@ -53,6 +55,8 @@ def main(argv: list[str] | None = None) -> int:
 
     async def amain() -> None:
         node = RelayNode(identity, store, args.hub_peer, args.hub_addr, cfg, host=args.host)
+        if args.trace:
+            relay_trace.install(node.driver, args.trace, node.me)
         async with trio.open_nursery() as nursery:
             await nursery.start(node.run)
             port = node.server.port

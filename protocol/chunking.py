@@ -10,11 +10,23 @@ Two costs pull the chunk size ``c`` apart, both as fractions of the floor ``M/b`
   CPU is taken, ``h·b/c``. Measured on network namespaces with tbf at 8 MB/s (N = 8, 32 MB, the
   2-core machine shared with other jobs, load 14-19): 128 KiB chunks 2.34-3.21 x M/b, 256 KiB
   1.89, 512 KiB 1.60, 1 MiB 1.60-1.82, 2 MiB 2.13; a relay window in bytes instead of 2 chunks
-  did not help 128 KiB (2.79, 3.21), so it is CPU per chunk, not data in flight.
+  did not help 128 KiB (2.79, 3.21), so it is CPU per chunk, not data in flight. Measured again
+  after the data plane's CPU per chunk came down (ready frames forwarded as received, 64 KiB
+  unsent per relay link, tbf burst 128 KB; issue 18, 2026-12-04, same N, M and links, load 7-10,
+  runs of two sizes interleaved, load 3-17): N = 8: 512 KiB 1.218-1.290 (9 runs, 12-15 CPU-s
+  per relayed GB), 256 KiB 1.125-1.208 (13 runs, 16-21 CPU-s/GB), 384 KiB 1.175, 1.193 (15-16
+  CPU-s/GB), 128 KiB 1.115 and 1.291 (29 CPU-s/GB: the two shared cores run out). N = 16 (17
+  processes on the 2 cores): 512 KiB 1.253-1.370 (10 runs), 384 KiB 1.355, 1.445, 256 KiB
+  1.230 and 1.273 at load 7-10 but 1.467-1.859 (6 runs) at load 9-17: there the per-chunk CPU
+  decides. The fill costs more than ``S·D·c/M`` says (a hop also waits behind the relay's
+  backlog on its link, ``bench broadcast --trace``), so at N = 8 a half-size chunk gained 0.09 x
+  M/b where the model says 0.065.
 
-The rule picks the power of two that minimises ``S·D·c/M + H/c`` (``H = h·b``, default
-:data:`DEFAULT_PER_CHUNK_BYTES`, fitted to the optimum measured above: ``c* = sqrt(H·M/(S·D))``
-= 512 KiB there), within limits:
+The rule picks the size that minimises ``S·D·c/M + H/c`` (``H = h·b``, default
+:data:`DEFAULT_PER_CHUNK_BYTES`, fitted to the runs above: ``c* = sqrt(H·M/(S·D))`` = 400 kB at
+N = 8 and 358 kB at N = 16 for 32 MB: 384 KiB for both; 64 kB, the first fit, chose 512 KiB)
+among powers of two and 1.5 times them (:func:`candidates`: the cost is flat near its optimum,
+but a factor two apart its sides differ, 256 and 512 KiB above), within limits:
 
 - in flight: a parent keeps at most ``window`` chunks outstanding per child, so a child's stream
   is capped at ``window · c / rtt``; a 10 MB/s link shared by ``S = 2`` children over a 50 ms
@@ -26,14 +38,14 @@ The rule picks the power of two that minimises ``S·D·c/M + H/c`` (``H = h·b``
   node holds ``window`` chunks per child in flight; :data:`MAX_CHUNK_SIZE` = 16 MiB keeps that
   small; an encoded chunk also fits the data plane's default 32 MiB CHUNK frame (star path).
 
-Resulting sizes: N = 8: 8 MB 256 KiB, 32 MB 512 KiB, 1 GB 2 MiB (k = 477); N = 1000: 8 MB
-128 KiB (fill 0.35: small versions on deep plans stay costly), 32 MB 256 KiB, 1 GB 2 MiB, 16 GB
-8 MiB.
+Resulting sizes: N = 8 or 16: 8 MB 192 KiB, 32 MB 384 KiB, 256 MB 1 MiB, 1 GB 2 MiB (k = 477),
+16 GB 8 MiB; N = 1000: 8 MB 128 KiB (fill 0.35: small versions on deep plans stay costly),
+32 MB 256 KiB, 256 MB 768 KiB, 1 GB 1.5 MiB, 16 GB 6 MiB.
 
-Sizes are powers of two, so that a fleet that grows or shrinks a little keeps its chunk size: a
-delta version is packed against its parent only if both have the same chunk size
-(``packing.pack_buffer``), so :func:`stable_chunk_size` also keeps the previous size while the
-rule's choice stays within a factor of two of it.
+A fleet that grows or shrinks a little keeps its chunk size: a delta version is packed against its
+parent only if both have the same chunk size (``packing.pack_buffer``), so
+:func:`stable_chunk_size` keeps the previous size while the rule's choice stays within a factor of
+two of it.
 
 The rule looks at raw bytes. A delta version's encoded chunks are much smaller (1.6% of raw for a
 SmolLM2 step, ``packing``), but compression is about uniform over chunks, so the fill fraction
@@ -47,8 +59,8 @@ import math
 KiB = 1024
 MiB = 1024 * KiB
 
-#: per-chunk cost as bytes of link time (h·b), see the module doc
-DEFAULT_PER_CHUNK_BYTES = 64_000
+#: per-chunk cost as bytes of link time (h·b, 5 ms of an 8 MB/s link), see the module doc
+DEFAULT_PER_CHUNK_BYTES = 40_000
 MIN_CHUNK_SIZE = 64 * KiB
 MAX_CHUNK_SIZE = 16 * MiB
 MAX_CHUNKS_PER_VERSION = 65536
@@ -66,6 +78,19 @@ def estimated_depth(n_nodes: int, stripes: int = DEFAULT_STRIPES) -> int:
         return 1
     s = max(2, stripes)
     return 1 + math.ceil(math.log(n_nodes, s) - 1e-9)
+
+
+def candidates(lo: int, hi: int = MAX_CHUNK_SIZE) -> list[int]:
+    """The sizes the rule weighs, ascending: powers of two from ``lo`` (one itself) to ``hi`` and
+    1.5 times each (``3 · 2^(e-1)``, a whole number of 32 KiB for ``lo`` >= 64 KiB)."""
+    out: list[int] = []
+    c = lo
+    while c <= hi:
+        out.append(c)
+        if c + c // 2 <= hi:
+            out.append(c + c // 2)
+        c *= 2
+    return out
 
 
 def _pow2_floor(x: float) -> int:
@@ -102,7 +127,7 @@ def choose_chunk_size(
     per_chunk_bytes: float = DEFAULT_PER_CHUNK_BYTES,
     min_chunk: int | None = None,
 ) -> int:
-    """Chunk size (bytes, a power of two) for a version of ``total_bytes`` raw bytes broadcast to
+    """Chunk size (bytes, a power of two or 1.5 times one) for a version of ``total_bytes`` raw bytes broadcast to
     ``n_nodes`` nodes over a plan ``depth`` hops deep (default :func:`estimated_depth`): the one
     of least :func:`overhead` within ``[min_chunk, MAX_CHUNK_SIZE]`` (``min_chunk`` default: the
     larger of :data:`MIN_CHUNK_SIZE` and :func:`in_flight_min`) and at most
@@ -116,14 +141,12 @@ def choose_chunk_size(
     while -(-total_bytes // lo) > MAX_CHUNKS_PER_VERSION and lo < MAX_CHUNK_SIZE:
         lo *= 2
     best, best_cost = lo, math.inf
-    c = lo
-    while c <= MAX_CHUNK_SIZE:
+    for c in candidates(lo):
         cost = overhead(c, total_bytes, n_nodes, depth=depth, stripes=stripes, per_chunk_bytes=per_chunk_bytes)
         if cost < best_cost - 1e-12:
             best, best_cost = c, cost
         if c >= total_bytes:
             break  # one chunk already: bigger sizes change nothing
-        c *= 2
     return best
 
 

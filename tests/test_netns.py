@@ -86,7 +86,7 @@ def test_bench_broadcast_over_kernel_links(tmp_path: Path) -> None:
     # a process of its own, as a user runs it: trio's worker threads started inside a namespace
     # stay in it and are cached process-wide, so an in-process run left later tests' threads in
     # a deleted namespace (urllib to 127.0.0.1 refused in a CI run of test_status_http)
-    args = ["--netns", "--nodes", "3", "--mbytes", "8", "--link-MBps", "8", "--mode", "pipelined",
+    args = ["--netns", "--nodes", "3", "--mbytes", "8", "--link-MBps", "8", "--mode", "pipelined", "--trace",
             "--json", str(out)]
     run = subprocess.run([sys.executable, "-m", "echo2", "bench", "broadcast", *args], capture_output=True, text=True,
                          timeout=300)
@@ -99,3 +99,10 @@ def test_bench_broadcast_over_kernel_links(tmp_path: Path) -> None:
     assert row["peer_sent_bytes"] > 0  # nodes relayed to each other over the bridge
     # the CPU the broadcast took (nodes and hub, from /proc) per GB relayed: measured, and sane
     assert 0 < row["hub_cpu_seconds"] <= row["cpu_seconds"] and 0 < row["cpu_s_per_GB"] < 1000
+    # --trace: the hub's and every node's per-chunk trace merged (bench/broadcast_trace.py): the
+    # last node's last chunk traced hop by hop from the hub, and each node's finish
+    trace = row["trace"]
+    assert trace[0].startswith("hub's last send done: ") and trace[1].startswith("last node ")
+    assert " -> " in trace[1] and trace[1].split(": ", 1)[1].startswith("hub rx 0.000 q ")
+    finish = [float(x) for x in next(t for t in trace if t.startswith("finish per node")).split(": ")[1].split()]
+    assert len(finish) == 3 and 0 < finish[-1] <= row["seconds"]
