@@ -595,7 +595,7 @@ def test_large_bodies_verified_with_and_without_free_workers(
 def test_chunk_trickling_in_wakes_the_worker_rarely_and_the_next_small_frame_promptly(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    # A 512 KiB chunk (the rule's size for 32 MB on 8 nodes) is received on a worker that asks
+    # A 512 KiB chunk (the rule's size for 32 MB on 8 nodes until session 11; 384 KiB since) is received on a worker that asks
     # the kernel to wake it only once RCVLOWAT_BYTES have landed (rxthread.py). The mark must be
     # back at 1 when the body is in: a small frame that follows (fewer bytes than the mark) would
     # otherwise never wake the trio side, and the connection would hang.
