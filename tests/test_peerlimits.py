@@ -156,6 +156,10 @@ def test_control_concurrent_streams_and_inflight_bytes_capped() -> None:
                 await client.request(addr, ECHO, b"z" * 2000, max_response=4096)
             assert err.value.code == "busy"
             assert server.refusals["too_many_streams"] == 1 and server.refusals["busy"] == 1
+            # a stream's slot is held until its requester has ended its side too (reqresp._await_peer_end)
+            with trio.move_on_after(5):
+                while len(server._streams):
+                    await trio.sleep(0.01)
             assert server._inflight_bytes == 0 and len(server._streams) == 0
 
     run(main)

@@ -367,7 +367,15 @@ class RequestResponse:
             if trio.current_time() >= deadline:
                 await quiet_close(stream, reset=True)
                 break
-            await trio.sleep(_END_POLL_S)
+            # woken by py-libp2p's event for this stream (data, FIN or RST), as its own reader is:
+            # an honest requester's FIN frees the slot at once (a 20 ms poll held it measurably)
+            events = getattr(getattr(muxed, "conn", None), "stream_events", None)
+            sid = getattr(muxed, "stream_id", None)
+            event = events.get(sid) if isinstance(events, dict) else None
+            with trio.move_on_at(deadline if event is not None else trio.current_time() + _END_POLL_S):
+                await (event.wait() if event is not None else trio.sleep_forever())
+            if event is not None and event.is_set() and isinstance(events, dict) and events.get(sid) is event:
+                events[sid] = trio.Event()
             _discard_unread(muxed)
         _discard_unread(muxed)
         await _forget(muxed)
