@@ -94,7 +94,9 @@ class Outbox:
         """The signed task, when its node takes it."""
         # within the node's replay window (600 s), however long the deadline
         ttl = min(540.0, max(60.0, task.deadline - time.time() + 60.0))
-        return envelope.seal(self.identity, task, ttl_s=ttl)
+        # the bytes issue hashed (Intake._tasks): a task is encoded once, not validated again
+        payload = self.intake.book.take_payload(task.task_id)
+        return envelope.seal(self.identity, task, ttl_s=ttl, payload=payload)
 
     def _apply_eligibility(self, min_v: int, active: set[str] | None, nodes: dict[str, Any]) -> None:
         """Only nodes that hold a version >= ``min_v`` and are activated get tasks: a full pass
