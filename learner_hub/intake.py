@@ -85,6 +85,12 @@ class TaskBook:
         payload, e.payload = e.payload, None
         return payload
 
+    def put_payload(self, task_id: str, payload: bytes) -> None:
+        """Give back a payload taken but not sent (the task stays waiting)."""
+        e = self._tasks.get(task_id)
+        if e is not None:
+            e.payload = payload
+
     def get(self, task_id: str) -> TaskEntry | None:
         return self._tasks.get(task_id)
 
