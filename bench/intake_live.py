@@ -27,6 +27,18 @@ node's tasks in flight capped at max(2, B) so that B can be batched; the channel
 to the clients (a node asks for it with CHANNEL on the control plane); the channel's per-IP
 handshake rate off (every simulated node dials from 127.0.0.1).
 
+Task supply (changed with TaskBundle, issue 20): the pipeline (prompts_per_step) is N x max(2, B)
+groups, so every identity can hold its B tasks, as in a fleet whose nodes all work. It was
+max(N, 256): dealt round-robin over all N identities, and refilled into any identity with a free
+slot, the silent identities (those of the heartbeat phase, which never answer) soaked up ~2/3 of
+the 256 groups at N = 100, so each working identity found ~2.5 tasks, its batches averaged ~3
+results and each cycle ended with a 5 s WORK long poll that came back empty (1.2-1.3 heartbeats
+per result). Now a silent identity is full at B and stops taking more, and what the working ones
+answer comes back to them. A working identity asks for what its batch lacks (Heartbeat.queue_free,
+answered with a TaskBundle of up to that many); the heartbeat phase still asks for one. The hub
+still issues, checks, scores and stores every task and result as in production. At N = 10,000 the
+pipeline is 80,000 groups in flight (more hub RSS than before, and a longer set-up).
+
 ``ECHO2_INTAKE_PROFILE=FILE`` (environment): the hub's trio thread is profiled with cProfile on
 its own CPU time (``time.thread_time``, so time spent waiting for a contended core is not
 counted) through the results phase, and the stats are written to FILE (``python -m pstats``).
@@ -113,17 +125,18 @@ def _hub_proc(n: int, batch: int, workdir: str, cmd: Any, out: Any, workers: int
     import trio
 
     from echo2.learner_hub.config import HubConfig
-    from echo2.learner_hub.dispatch_index import NodeIndex
     from echo2.learner_hub.hub import Hub
 
     logging.getLogger("echo2").setLevel(logging.ERROR)
-    cfg = HubConfig(dir=workdir, steps=10**6, prompts_per_step=max(n, 256), group_size=SMALL_COMPLETIONS, max_new_tokens=SMALL_TOKENS,
-                    staleness=1, task_deadline_s=3600.0, node_silence_s=3600.0, intake_workers=workers)
-    hub = Hub(cfg)
     cap = max(2, batch)
-    if cap != hub.dispatcher.config.max_in_flight_per_node:  # before any node is known to it
-        hub.dispatcher.config = dataclasses.replace(hub.dispatcher.config, max_in_flight_per_node=cap)
-        hub.dispatcher.index = NodeIndex(cap)
+    # the pipeline holds cap groups per identity: see "Task supply" in the module's docstring
+    cfg = HubConfig(dir=workdir, steps=10**6, prompts_per_step=max(n * cap, 256), group_size=SMALL_COMPLETIONS,
+                    max_new_tokens=SMALL_TOKENS, staleness=1, task_deadline_s=3600.0, node_silence_s=3600.0,
+                    intake_workers=workers, tasks_per_node=min(cap, 16))
+    hub = Hub(cfg)
+    # small results (one group of 8 each): a node timed fast would otherwise get tasks of several
+    # groups once the queue is deep, and "per result" would measure larger results
+    hub.dispatcher.config = dataclasses.replace(hub.dispatcher.config, max_prompts_per_task=1)
     gc.freeze()
     try:
         trio.run(_hub_main, hub, n, cmd, out)
@@ -245,7 +258,7 @@ async def _client_main(role: str, info: dict[str, Any], seeds: list[int], batch:
     from echo2.protocol.errors import Echo2Error
     from echo2.protocol.framing import RemoteError
     from echo2.protocol.identity import Identity
-    from echo2.protocol.messages import ErrorReply, Heartbeat, Task, task_hash
+    from echo2.protocol.messages import ErrorReply, Heartbeat, Task, TaskBundle, task_hash
     from echo2.protocol.net.channel import ChannelClient
     from echo2.protocol.packedresult import PackedCompletion, PackedResult, pack_ids, pack_logprobs
     from echo2.protocol.wire import MAX_CONTROL_REQUEST, MAX_TASK, RESULT, RESULTS, WORK
@@ -264,15 +277,17 @@ async def _client_main(role: str, info: dict[str, Any], seeds: list[int], batch:
                          completions=comps, started_at=time.time(), gen_seconds=0.1, tokens=SMALL_TOKENS * len(comps))
         return envelope.seal(node, r, ttl_s=300)
 
-    async def heartbeat(ch: ChannelClient, node: Identity, seq: int) -> Task | None:
-        hb = Heartbeat(peer_id=node.peer_id, seq=seq, versions_held=[0], busy_tasks=0, queue_free=1)
+    async def heartbeat(ch: ChannelClient, node: Identity, seq: int, want: int = 1) -> list[Task]:
+        """One WORK ask for up to ``want`` tasks (a TaskBundle when the hub has several waiting)."""
+        hb = Heartbeat(peer_id=node.peer_id, seq=seq, versions_held=[0], busy_tasks=0, queue_free=want)
         reply = await ch.request(WORK, envelope.seal(node, hb), max_response=MAX_TASK, timeout_s=30)
         c["heartbeats"] += 1
-        m = envelope.open_envelope(reply, (Task, ErrorReply), replay=None).message
-        if isinstance(m, Task):
+        m = envelope.open_envelope(reply, (Task, TaskBundle, ErrorReply), replay=None).message
+        tasks = [m] if isinstance(m, Task) else m.tasks if isinstance(m, TaskBundle) else []
+        if tasks:
             c["heartbeats_with_task"] += 1
-            return m
-        return None
+            c["tasks_received"] += len(tasks)
+        return tasks
 
     async def send(node: Identity, ch: ChannelClient, sealed: list[bytes]) -> None:
         c["messages"] += 1
@@ -298,10 +313,10 @@ async def _client_main(role: str, info: dict[str, Any], seeds: list[int], batch:
             seq = 0
             while trio.current_time() < end:  # never cancelled mid-request: the phase ends between asks
                 seq += 1
-                t = await heartbeat(ch, node, seq)
-                if t is not None:
-                    finished.append(result_for(node, t))
-                state.dry = t is None
+                # asks for what its batch still lacks, as a node asks for its free queue (taskloop)
+                tasks = await heartbeat(ch, node, seq, max(1, batch - len(finished)))
+                finished.extend(result_for(node, t) for t in tasks)
+                state.dry = not tasks
                 if finished and (len(finished) >= batch or state.dry):
                     state.ready.set()
 
@@ -346,7 +361,7 @@ async def _client_main(role: str, info: dict[str, Any], seeds: list[int], batch:
             nursery.start_soon(ch.run)
             with contextlib.suppress(Echo2Error):
                 for seq in (1, 2):
-                    if await heartbeat(ch, node, seq) is None:
+                    if not await heartbeat(ch, node, seq):
                         break
             nursery.cancel_scope.cancel()
         await ch.aclose()
@@ -436,6 +451,8 @@ def run_size(n: int, clients: int, batch: int, duration_s: float, idle_s: float,
             "accepted": acc, "messages": counts.get("messages", 0), "wall_s": round(wall_r, 2),
             "accepted_per_s": round(acc / wall_r, 1) if wall_r else 0.0,
             "heartbeats": counts.get("heartbeats", 0),
+            "tasks_per_heartbeat": round(counts.get("tasks_received", 0) / counts["heartbeats"], 2) if counts.get("heartbeats") else None,
+            "results_per_message": round(acc / counts["messages"], 2) if counts.get("messages") else None,
             # completions in the results answered (a small result is SMALL_COMPLETIONS)
             "completions_per_result": round(counts.get("completions", 0) / acc, 2) if acc else None,
             "hub_cpu_ms_per_result": round(cpu_r * 1e3 / acc, 3) if acc else None,
@@ -490,11 +507,13 @@ def run_live(args: argparse.Namespace) -> int:
         "bench": "intake", "mode": "live",
         "measures": __doc__.split("\n\n")[0] if __doc__ else "",
         "setup_shortcuts": ["nodes admitted in the hub's process (signed AdmissionRequests), then marked hub-timed at "
-                            f"{TIMED_RATE} rollouts/s and holding version 0", "tasks in flight per node: max(2, batch)",
+                            f"{TIMED_RATE} rollouts/s and holding version 0",
+                            "tasks per node (hub.toml tasks_per_node): max(2, batch); one prompt group per task",
                             "the channel address handed to the clients (CHANNEL on the control plane is what a node does)",
                             "the channel's per-IP handshake rate off (all clients dial from 127.0.0.1)",
                             "the learner is a stand-in taking buffered rows every 0.5 s",
-                            "prompts_per_step = max(N, 256), so a small fleet's workers are not short of tasks"],
+                            "prompts_per_step = max(N * tasks per node, 256): every identity can hold its share "
+                            "(see 'Task supply' in the module's docstring)"],
         "small_result": {"completions": SMALL_COMPLETIONS, "tokens_each": SMALL_TOKENS},
         "rows": rows,
     }

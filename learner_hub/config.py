@@ -145,6 +145,7 @@ class HubConfig:
     staleness: Annotated[int, _doc("S: rollouts made with version v are trained on at steps v..v+S", ge=0)] = 1
     task_deadline_s: Annotated[float, _doc("a task not answered by then is reassigned", gt=0)] = 30.0
     task_target_s: Annotated[float, _doc("tasks are sized to take about this long on their node", gt=0)] = 2.0
+    tasks_per_node: Annotated[int, _doc("tasks a node may hold at once (in flight, waiting, uploading); a node asking for several gets them in one reply", ge=1, le=16)] = 2
     node_silence_s: Annotated[float, _doc("drop a node silent this long (0 = default, 30 s)", ge=0)] = 0.0
     # dissemination
     chunk_bytes: Annotated[int, _doc("0 = chosen per version from its size and the fleet (protocol.chunking)", ge=0)] = 0

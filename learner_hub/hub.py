@@ -104,7 +104,7 @@ class Hub:
         self.rewards = RewardRunner(funcs, weights, cfg.reward_timeout_s)
         self.dispatcher = Dispatcher(DispatchConfig(
             staleness=cfg.staleness, target_task_s=cfg.task_target_s, min_deadline_s=cfg.task_deadline_s,
-            max_deadline_s=max(cfg.task_deadline_s, 900.0),
+            max_deadline_s=max(cfg.task_deadline_s, 900.0), max_in_flight_per_node=cfg.tasks_per_node,
         ))
         detok = BatchDecoder(self.tok.tokenizer)
         log.info("completions are detokenised by the %s", detok.kind)
@@ -238,7 +238,7 @@ class Hub:
         return envelope.seal(self.identity, decision)
 
     async def on_work(self, peer: str, data: bytes) -> bytes:
-        envelope.open_envelope(data, Heartbeat, replay=self.replay, allowed=self._signed_by(peer))
+        hb = envelope.open_envelope(data, Heartbeat, replay=self.replay, allowed=self._signed_by(peer)).message
         node = self.nodes[peer]
         node.last_seen = time.time()
         if node.paused:  # asking for work again is resuming (e.g. a node restarted while paused)
@@ -256,7 +256,8 @@ class Hub:
                 await node.wakeup.wait()
         node.last_seen = time.time()
         if node.mailbox:
-            return self.outbox.seal(node.mailbox.popleft())
+            # a node asking for k (queue_free > 1 means it reads a TaskBundle) takes up to k at once
+            return self.outbox.seal_some(node.mailbox, hb.queue_free)
         return envelope.seal(self.identity, ErrorReply(code="no_work", message="no work right now"))
 
     async def on_result(self, peer: str, data: bytes) -> bytes:

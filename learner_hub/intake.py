@@ -26,7 +26,8 @@ from typing import Any
 import numpy as np
 
 from echo2.protocol.errors import Echo2Error, MeaningError, SignerNotAllowed
-from echo2.protocol.messages import Task, task_hash
+from echo2.protocol.hashing import digest
+from echo2.protocol.messages import Task, task_payload
 
 from .dispatch import Dispatcher, TaskAssignment
 from .intake_check import (
@@ -55,6 +56,7 @@ class TaskEntry:
     task_hash: bytes
     buffered: int = 0  # groups of its accepted result still waiting to be trained (0: in flight)
     accepted: bool = False
+    payload: bytes | None = None  # the task's canonical bytes (its hash's input) until it is sealed
 
 
 class TaskBook:
@@ -72,8 +74,22 @@ class TaskBook:
     def __contains__(self, task_id: object) -> bool:
         return task_id in self._tasks
 
-    def open(self, task_id: str, node_id: str, thash: bytes) -> None:
-        self._tasks[task_id] = TaskEntry(node_id, thash)
+    def open(self, task_id: str, node_id: str, thash: bytes, payload: bytes | None = None) -> None:
+        self._tasks[task_id] = TaskEntry(node_id, thash, payload=payload)
+
+    def take_payload(self, task_id: str) -> bytes | None:
+        """The task's canonical bytes, once: the outbox signs them when the node takes the task."""
+        e = self._tasks.get(task_id)
+        if e is None:
+            return None
+        payload, e.payload = e.payload, None
+        return payload
+
+    def put_payload(self, task_id: str, payload: bytes) -> None:
+        """Give back a payload taken but not sent (the task stays waiting)."""
+        e = self._tasks.get(task_id)
+        if e is not None:
+            e.payload = payload
 
     def get(self, task_id: str) -> TaskEntry | None:
         return self._tasks.get(task_id)
@@ -235,7 +251,8 @@ class Intake:
                 max_new_tokens=p.max_new_tokens, temperature=p.temperature, top_p=p.top_p, seed=seed(),
                 min_version=a.min_version, max_version_lag=a.max_version_lag, deadline=a.deadline,
             )
-            self.book.open(a.task_id, a.node_id, task_hash(task))
+            payload = task_payload(task)  # encoded once: hashed here, signed as is by Outbox.seal
+            self.book.open(a.task_id, a.node_id, digest(payload), payload)
             out.append(task)
         return out
 

@@ -10,11 +10,12 @@ from __future__ import annotations
 
 import random
 import time
+from collections import deque
 from typing import Any
 
 from echo2.protocol import envelope
 from echo2.protocol.identity import Identity
-from echo2.protocol.messages import Task
+from echo2.protocol.messages import MAX_BUNDLE_TASKS, Task, TaskBundle, bundle_payload, task_payload
 
 from .config import HubConfig
 from .data import POSITION_KEY, PromptSource
@@ -92,9 +93,39 @@ class Outbox:
 
     def seal(self, task: Task) -> bytes:
         """The signed task, when its node takes it."""
+        ttl = self._ttl(task)
+        # the bytes issue hashed (Intake._tasks): a task is encoded once, not validated again
+        payload = self.intake.book.take_payload(task.task_id)
+        return envelope.seal(self.identity, task, ttl_s=ttl, payload=payload)
+
+    def seal_some(self, mailbox: deque[Task], k: int) -> bytes:
+        """The first task of ``mailbox`` alone (k <= 1: every node before TaskBundle) or up to
+        ``k`` of them in one signed TaskBundle, taken from the mailbox; tasks that would not fit
+        the bundle's size stay for the next ask."""
+        if k <= 1 or len(mailbox) == 1:
+            return self.seal(mailbox.popleft())
+        tasks: list[Task] = []
+        payloads: list[bytes] = []
+        room = TaskBundle.MAX_SIZE - 4096  # the envelope's own fields and the bundle's header
+        while mailbox and len(tasks) < min(k, MAX_BUNDLE_TASKS):
+            task = mailbox[0]
+            payload = self.intake.book.take_payload(task.task_id) or task_payload(task)
+            if tasks and len(payload) > room:
+                self.intake.book.put_payload(task.task_id, payload)
+                break
+            mailbox.popleft()
+            tasks.append(task)
+            payloads.append(payload)
+            room -= len(payload)
+        if len(tasks) == 1:
+            return envelope.seal(self.identity, tasks[0], ttl_s=self._ttl(tasks[0]), payload=payloads[0])
+        bundle = TaskBundle(tasks=tasks)
+        return envelope.seal(self.identity, bundle, ttl_s=min(self._ttl(t) for t in tasks), payload=bundle_payload(payloads))
+
+    @staticmethod
+    def _ttl(task: Task) -> float:
         # within the node's replay window (600 s), however long the deadline
-        ttl = min(540.0, max(60.0, task.deadline - time.time() + 60.0))
-        return envelope.seal(self.identity, task, ttl_s=ttl)
+        return min(540.0, max(60.0, task.deadline - time.time() + 60.0))
 
     def _apply_eligibility(self, min_v: int, active: set[str] | None, nodes: dict[str, Any]) -> None:
         """Only nodes that hold a version >= ``min_v`` and are activated get tasks: a full pass

@@ -6,10 +6,12 @@ their encoding until a checkpoint covers the step that trained them (so a restar
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import msgpack
 import numpy as np
 
 from echo2.protocol import canonical
@@ -65,7 +67,44 @@ class Group:
 
 
 def encode_groups(groups: list[Group]) -> bytes:
-    """Accepted rollouts as stored for a restart (hub-computed rewards included)."""
+    """Accepted rollouts as stored for a restart (hub-computed rewards included): exactly
+    ``canonical.encode`` of the stored form (:func:`encode_groups_generic`), built with its maps
+    already in canonical key order and its values checked here, so msgpack packs it at once: the
+    generic walk over every sample's map was 0.16 ms of a small result's ~1 ms (cProfile)."""
+    try:
+        return msgpack.packb([_stored_group(g) for g in groups], use_bin_type=True, use_single_float=False)
+    except (ValueError, OverflowError, TypeError, UnicodeEncodeError):
+        return encode_groups_generic(groups)  # an odd value: the generic encoder says what is wrong
+
+
+def _finite(x: Any) -> float:
+    v = float(x)
+    if not math.isfinite(v):
+        raise ValueError(f"non-finite float {v!r}")
+    return v
+
+
+def _stored_group(g: Group) -> dict[str, Any]:
+    ids = g.prompt_ids
+    if type(ids) is not list or (ids and set(map(type, ids)) != {int}):
+        raise TypeError("prompt ids")
+    return {"prompt_ids": ids, "samples": [_stored_sample(s) for s in g.samples]}
+
+
+def _stored_sample(s: Sample) -> dict[str, Any]:
+    arr = _stored_arrays(s)
+    if (type(s.node_id) is not str or type(s.finish_reason) is not str or type(s.version) is not int
+            or any(type(k) is not str for k in s.reward_parts)):
+        raise TypeError("sample fields")
+    # keys in canonical (UTF-8 byte) order, as canonical.encode sorts them
+    return {"finish_reason": s.finish_reason, "logprobs": bytes(arr["logprobs"]), "lp_dtype": arr["lp_dtype"],
+            "node_id": s.node_id, "reward": _finite(s.reward),
+            "reward_parts": {k: _finite(s.reward_parts[k]) for k in sorted(s.reward_parts)},
+            "token_ids": bytes(arr["token_ids"]), "version": s.version}
+
+
+def encode_groups_generic(groups: list[Group]) -> bytes:
+    """The stored form through the generic canonical encoder (what :func:`encode_groups` equals)."""
     return canonical.encode(
         [
             {

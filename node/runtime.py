@@ -13,6 +13,7 @@ import logging
 import os
 import signal
 import time
+from collections import deque
 from typing import Any
 
 import trio
@@ -93,6 +94,7 @@ class Node(TaskLoop):
         self._stop = trio.Event()
         self._started = time.time()
         self._current_task: Task | None = None
+        self._queued: deque[Task] = deque()
         self._admitted = trio.Event()
         self.store = ChunkStore(cfg.data_dir / "store")
         self.receipts = ReceiptBook(cfg.data_dir)  # the hub's signed receipts, kept (issue 19)
@@ -241,6 +243,8 @@ class Node(TaskLoop):
         if task is not None:
             with trio.move_on_after(3):
                 await self._decline(host, task, "shutdown", "node is shutting down")
+        with trio.move_on_after(3):
+            await self._abandon_queued(host)
 
     async def _say_goodbye(self, host: ControlHost) -> None:
         """Tell the hub we leave, so it stops billing us now rather than when it finds us silent,

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import deque
 from typing import Any
 
 import trio
@@ -16,7 +17,7 @@ import trio
 from echo2.models.engine_api import Interrupted
 from echo2.protocol import envelope
 from echo2.protocol.backoff import Backoff
-from echo2.protocol.errors import Echo2Error
+from echo2.protocol.errors import Echo2Error, Expired, MeaningError
 from echo2.protocol.framing import RemoteError
 from echo2.protocol.identity import Identity
 from echo2.protocol.messages import AdmissionDecision, Completion, Heartbeat, Task, TaskDecline, task_hash
@@ -34,13 +35,15 @@ from .pausing import Pauser
 from .progress import NodeSteps
 from .receipts import ReceiptBook
 from .taskloop_delivery import ResultDelivery
-from .tasks import TaskRefused, open_task
+from .tasks import TaskRefused, check_task, open_task
 from .versions import HeldVersion
 
 log = logging.getLogger("echo2.node.runtime")  # one logger name for the node's work, as before the split
 
 # The hub is the one peer a node cannot work without: retry it often (jittered), but not in a loop.
 HUB_BACKOFF_CAP_S = 5.0
+# Tasks a node asks for in one WORK request (the hub gives at most its tasks_per_node in flight).
+TASKS_PER_ASK = 4
 
 
 class TaskLoop:
@@ -61,6 +64,7 @@ class TaskLoop:
     _seq: int
     _stop: trio.Event
     _current_task: Task | None
+    _queued: deque[Task]  # tasks of a TaskBundle waiting to run (set by _worker)
     _measured_version: int
     _footprint: Footprint | None
     _rows_cap: int
@@ -90,8 +94,21 @@ class TaskLoop:
     async def _worker(self, host: ControlHost, scope: trio.CancelScope) -> None:
         backoff = Backoff(base_s=0.5, cap_s=HUB_BACKOFF_CAP_S)
         await self._wait_for_quota()  # results an earlier run left in the outbox count too
+        queued = self._queued = deque()  # the rest of a TaskBundle: run before asking again
         while True:
+            while queued and self.pauser.paused:  # handed back, as a running task is
+                await self._decline(host, queued.popleft(), "paused", self.pauser.current.reason)
             await self.pauser.wait_running()
+            if queued:
+                task = queued.popleft()
+                try:  # checked again: its deadline or the version held may have moved meanwhile
+                    check_task(task, me=self.peer_id, held_version=self.held.version if self.held else None, now=time.time())
+                except (MeaningError, Expired) as exc:
+                    await self._decline(host, task, exc.code, exc.message)
+                    continue
+                await self._run_task(host, task)
+                await self._wait_for_quota()
+                continue
             if self.held is None:
                 with trio.move_on_after(1.0):
                     await self.version_changed.wait()
@@ -99,7 +116,8 @@ class TaskLoop:
             self._seq += 1
             self.steps.idle()
             hb = Heartbeat(
-                peer_id=self.peer_id, seq=self._seq, versions_held=[self.held.version], busy_tasks=0, queue_free=1
+                peer_id=self.peer_id, seq=self._seq, versions_held=[self.held.version], busy_tasks=0,
+                queue_free=self._ask_for(),
             )
             try:
                 resp = await self._to_hub(host).request(
@@ -133,6 +151,9 @@ class TaskLoop:
                 self.stats.tasks_refused += 1
                 log.warning("refused task from hub link: %s", exc)
                 continue
+            for refused in acc.refused:
+                await self._decline(host, refused.task, refused.code, refused.message)
+            queued.extend(acc.more)
             if acc.task is None:
                 if acc.reply is not None and acc.reply.code != "no_work":
                     log.info("hub: %s", acc.reply.message)
@@ -140,12 +161,25 @@ class TaskLoop:
                 continue
             if self._stop.is_set():  # stopping while the poll was out: handed back at once
                 await self._decline(host, acc.task, "shutdown", "node is shutting down")
+                await self._abandon_queued(host)
                 return
             if self.pauser.paused:  # paused while the poll was out: handed back at once
                 await self._decline(host, acc.task, "paused", self.pauser.current.reason)
                 continue
             await self._run_task(host, acc.task)
             await self._wait_for_quota()
+
+    async def _abandon_queued(self, host: ControlHost) -> None:
+        """Stopping: the tasks of a bundle not yet started go back to the hub at once."""
+        while self._queued:
+            await self._decline(host, self._queued.popleft(), "shutdown", "node is shutting down")
+
+    def _ask_for(self) -> int:
+        """Tasks to ask the hub for at once (Heartbeat.queue_free; > 1 asks for a TaskBundle): the
+        hub caps it at its tasks_per_node, so one ask serves up to k tasks instead of one."""
+        if not self.cfg.max_tasks:
+            return TASKS_PER_ASK
+        return max(1, min(TASKS_PER_ASK, self.cfg.max_tasks - self.stats.tasks_done - self.delivery.waiting))
 
     async def _wait_for_quota(self) -> None:
         """With ``max_tasks``: no more work once the accepted and the waiting results make it up

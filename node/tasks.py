@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 from echo2.protocol import envelope
 from echo2.protocol.errors import Expired, MeaningError
-from echo2.protocol.messages import ErrorReply, Task
+from echo2.protocol.messages import ErrorReply, Task, TaskBundle
 
 
 class NotForMe(MeaningError):
@@ -43,6 +43,8 @@ class TaskRefused(MeaningError):
 class Accepted:
     task: Task | None  # None when the hub answered "no work"
     reply: ErrorReply | None = None
+    more: tuple[Task, ...] = ()  # the rest of a TaskBundle, checked, to run after ``task``
+    refused: tuple[TaskRefused, ...] = ()  # tasks of a TaskBundle this node will not run (to decline)
 
 
 def open_task(
@@ -60,10 +62,19 @@ def open_task(
     any other error means the reply itself is not authentic and must not be answered."""
     now = time.time() if now is None else now
     v = envelope.open_envelope(
-        data, (Task, ErrorReply), now=now, replay=replay, allowed=lambda signer, _t: signer == hub_peer
+        data, (Task, TaskBundle, ErrorReply), now=now, replay=replay, allowed=lambda signer, _t: signer == hub_peer
     )
     if isinstance(v.message, ErrorReply):
         return Accepted(None, v.message)
+    if isinstance(v.message, TaskBundle):  # one signature over several tasks, each checked alone
+        ok: list[Task] = []
+        refused: list[TaskRefused] = []
+        for task in v.message.tasks:
+            try:
+                ok.append(check_task(task, me=me, held_version=held_version, now=now))
+            except (MeaningError, Expired) as exc:
+                refused.append(TaskRefused(task, exc))
+        return Accepted(ok[0] if ok else None, None, tuple(ok[1:]), tuple(refused))
     try:
         return Accepted(check_task(v.message, me=me, held_version=held_version, now=now))
     except MeaningError as exc:

@@ -74,31 +74,48 @@ def seal(
     ttl_s: float = 60.0,
     now: float | None = None,
     nonce: bytes | None = None,
+    payload: bytes | None = None,
 ) -> bytes:
-    """Validate ``msg``, sign it and return the envelope bytes."""
+    """Validate ``msg``, sign it and return the envelope bytes.
+
+    ``payload``: ``canonical.encode(msg.to_wire())`` already made by the caller for a message it
+    built itself from typed values (the hub's Tasks: :func:`~.messages.task_payload`, the bytes
+    their hash is taken from), signed as given: no second encoding and no ``validate`` round trip
+    (together 54 us of the 108 us a Task's seal cost, measured). Never for bytes from outside.
+    """
     if not isinstance(msg, Message) or not msg.TYPE:
         raise SchemaError(f"cannot seal {type(msg).__name__}: not a top-level message type")
     if not (math.isfinite(ttl_s) and ttl_s > 0):
         raise SchemaError(f"ttl_s must be a positive finite number, got {ttl_s!r}")
-    # Refuse locally what a receiver would refuse, with the same message.
-    wire = msg.validate().to_wire()
+    if payload is None:
+        # Refuse locally what a receiver would refuse, with the same message.
+        payload = canonical.encode(msg.validate().to_wire())
     created = float(time.time() if now is None else now)
     n = os.urandom(NONCE_SIZE) if nonce is None else bytes(nonce)
     if len(n) != NONCE_SIZE:
         raise SchemaError(f"nonce must be {NONCE_SIZE} bytes, got {len(n)}")
-    body: dict[str, Any] = {
-        "d": msg.DOMAIN,
-        "p": canonical.encode(wire),
-        "k": identity.public_bytes,
-        "t": created,
-        "x": created + float(ttl_s),
-        "n": n,
-    }
-    body["s"] = identity.sign(SIGN_PREFIX + canonical.encode(body))
-    data = canonical.encode(body)
+    expires = created + float(ttl_s)
+    if not math.isfinite(expires):
+        raise SchemaError(f"non-finite float {expires!r} cannot be encoded")
+    # The canonical layout written directly (keys d k n p [s] t x in order, as _read_fixed reads
+    # it) instead of canonical.encode of the map twice, once without "s" to sign and once with it
+    head = b"".join((b"\xa1d", msgpack.packb(msg.DOMAIN), b"\xa1k\xc4\x20", identity.public_bytes,
+                     b"\xa1n\xc4\x10", n, b"\xa1p", _bin_header(len(payload))))
+    tail = b"".join((b"\xa1t\xcb", struct.pack(">d", created), b"\xa1x\xcb", struct.pack(">d", expires)))
+    sig = identity.sign(b"".join((SIGN_PREFIX, b"\x86", head, payload, tail)))
+    data = b"".join((b"\x87", head, payload, b"\xa1s\xc4\x40", sig, tail))
     if len(data) > msg.MAX_SIZE:
         raise TooLarge(f"{msg.TYPE} envelope of {len(data)} bytes exceeds the limit of {msg.MAX_SIZE}")
     return data
+
+
+def _bin_header(n: int) -> bytes:
+    """msgpack's shortest bin header for ``n`` bytes (the canonical form)."""
+    if n < 256:
+        return b"\xc4" + n.to_bytes(1, "big")
+    if n < 65536:
+        return b"\xc5" + n.to_bytes(2, "big")
+    return b"\xc6" + n.to_bytes(4, "big")
 
 
 def _expected_types(expected: type[Message] | tuple[type[Message], ...]) -> tuple[type[Message], ...]:

@@ -62,6 +62,8 @@ def test_bench_intake_live_small_fleet(tmp_path: Path) -> None:
     r, h = row["results"], row["heartbeats"]
     assert r["accepted"] > 0 and not r["refused"] and not r["errors"]
     assert r["messages"] < r["accepted"]  # some results travelled together in a ResultBatch
+    # small results, and tasks that came several to a WORK reply (TaskBundle)
+    assert r["completions_per_result"] == 8.0 and r["tasks_per_heartbeat"] > 1
     assert r["hub_cpu_ms_per_result"] > 0 and h["answered"] > 0
     # /proc counts CPU in 10 ms ticks: a few heartbeats may read as none
     assert h["hub_cpu_ms_per_heartbeat"] is not None and h["hub_cpu_ms_per_heartbeat"] >= 0

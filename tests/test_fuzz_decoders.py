@@ -65,6 +65,7 @@ def corpus() -> list[bytes]:
         messages.BatchAck(PEER, [messages.BatchVerdict(True, "ok", "", b"\x01" * 40),
                                  messages.BatchVerdict(False, "stale", "too old", b"")]),
         messages.ChannelOffer(PEER, IDENTITIES[1].peer_id, "127.0.0.1:9", 32, 1 << 20),
+        messages.TaskBundle([make_task(), make_task(task_id="t-2", prompts=[[9]])]),
     ]
     assert {type(m) for m in msgs} == set(ALL_TYPES)
     return [seal(SIGNER, m, now=NOW, ttl_s=60.0) for m in msgs]

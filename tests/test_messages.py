@@ -202,7 +202,7 @@ def test_registry() -> None:
         "announce", "heartbeat", "admission_request", "admission_decision", "task", "result", "packed_result",
         "task_decline", "manifest", "broadcast_plan", "chunk_have", "chunk_request",
         "holds_version", "holds_challenge", "holds_proof", "relay_report", "error", "probe_reply", "receipt", "node_pause",
-        "result_batch", "batch_ack", "channel_offer",
+        "result_batch", "batch_ack", "channel_offer", "task_bundle",
     }  # fmt: skip
     assert set(MESSAGE_TYPES) == expected
     domains = set()

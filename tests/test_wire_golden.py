@@ -106,6 +106,7 @@ def golden() -> dict[str, Any]:
         "batch_ack": m.BatchAck(P[0], [m.BatchVerdict(True, "ok", "", b"\x01" * 300),
                                        m.BatchVerdict(False, "duplicate", "task t-1 already answered ☃", b"")]),
         "channel_offer": m.ChannelOffer(P[2], P[0], "[::1]:65535", 32, 2**26 - 2**16),
+        "task_bundle": m.TaskBundle([task, m.Task("t-2", P[1], [[1]], 1, 1, 0.0, 0.5, 0, 0, 0, -1.5)]),
     }
 
 
@@ -134,6 +135,7 @@ GOLDEN = {
     "result_batch": ("d70059a40507d4a352804ab705840b0dae43932a5ec699ae04f834fc73021d06", 65907),  # issue 20 item 2, at its introduction
     "batch_ack": ("5aeb9f8d1b7397329a2d8fdc41b8b6f6e110ae80191f154b77dba252bf3c1f45", 486),  # issue 20 item 2, at its introduction
     "channel_offer": ("bdc68f2b8e2b49b85564e882d234a3ab668fea71c3493416f95253aece64de64", 173),  # issue 20 item 2, at its introduction
+    "task_bundle": ("b24dc035dffb746965b98345a5fb00e1cd980df46ed3adeb2e7811e245736268", 485),  # issue 20, at its introduction
     "envelope_task": ("c9d96e50a4a2c08e4ce8dd9ccbbfb2a45915795bf0a3a9f3fa48f5872c652470", 444),
 }
 TASK_HASH = "626ea549864dad821f852ac36672287330583dfde51fab7c64cd3017492196e3"
@@ -153,6 +155,9 @@ def test_canonical_bytes_unchanged() -> None:
         assert msg.validate() == msg, name
         assert _sha(canonical.encode(msg.to_wire())) == GOLDEN[name], name
     assert canonical.encode(golden()["task"].to_wire()).hex() == TASK_BYTES
+    # a bundle is its tasks' own payloads, as the hub builds it without encoding them again
+    bundle = golden()["task_bundle"]
+    assert m.bundle_payload([m.task_payload(t) for t in bundle.tasks]) == canonical.encode(bundle.to_wire())
 
 
 def test_task_hash_unchanged() -> None:
