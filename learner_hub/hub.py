@@ -134,7 +134,7 @@ class Hub:
         self.store = StoreWorker(self.dir)
         # A3/A11: admission requests counted per address (new identities) and per known key
         self.admission_gate = AdmissionGate(known=self.store.call_sync(known_peers, AdmissionLimits().max_known))
-        self.ledger = Ledger.restore(self.store.load_ledger())
+        self.ledger = Ledger.restore(self.store.settle_ledger())  # open intervals closed at the last alive mark
         self.trainer = Trainer(cfg, learner, self.publisher, self.sender, self.store, self.intake.book)
         self.fleet = Fleet(cfg, self.identity.peer_id, self.store, self.ledger, self.dispatcher, self.sender,
                            self.publisher, self.trainer)

@@ -171,6 +171,12 @@ MIGRATIONS: list[str] = [
         metrics TEXT NOT NULL
     );
     """,
+    # issue 20: a saved active account's open interval starts at active_since_ms (NULL: inactive);
+    # the hub marks itself alive at each save (meta ledger_alive_ms), and a restart bills the open
+    # interval up to that mark, so billed accounts are no longer rewritten every 10 s
+    """
+    ALTER TABLE ledger ADD COLUMN active_since_ms INTEGER;
+    """,
 ]
 
 
