@@ -412,7 +412,7 @@ class Hub:
             tick += 1
             now = time.time()
             if tick % 5 == 0:
-                self.fleet.reactivate()
+                await self.fleet.reactivate()
             # bans and pardons made with the CLI while the hub runs reach the data plane's check
             self.fleet.banned = await self.store.call(HubStore.banned)
             expired = self.intake.expire(now)
