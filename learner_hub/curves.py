@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import bisect
 import heapq
-import itertools
 import json
 import math
 import time
@@ -37,8 +36,6 @@ CURVE_POINTS = 400
 #: per-node throughput: a sample every NODE_SAMPLE_S, kept for NODE_WINDOW_S
 NODE_SAMPLE_S = 10.0
 NODE_WINDOW_S = 600.0
-#: nodes whose count changed recorded per sample at most (~2.3 us each on the loop)
-NODE_SAMPLE_BATCH = 2000
 #: the nodes drawn in the throughput chart (the busiest in the window)
 MAX_NODE_SERIES = 16
 
@@ -314,11 +311,8 @@ class HubCurves:
         t = now - hub.started
         if self.rates.due(t):
             nodes, changed = hub.fleet.nodes, hub.fleet.tokens_changed
-            # at most NODE_SAMPLE_BATCH nodes a sample, the rest at the next (sampled later, at
-            # their count then): 10,000 nodes admitted at once cost the loop ~23 ms in one sample
-            take = changed if len(changed) <= NODE_SAMPLE_BATCH else set(itertools.islice(changed, NODE_SAMPLE_BATCH))
-            counts = {p: n.tokens for p in take if (n := nodes.get(p)) is not None}
-            changed -= take
+            counts = {p: n.tokens for p in changed if (n := nodes.get(p)) is not None}
+            changed.clear()
             self.rates.add(t, counts, present=nodes)
         self._present = hub.fleet.nodes
 

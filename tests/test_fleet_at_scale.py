@@ -1,5 +1,5 @@
 """The hub's periodic duties with a large fleet (issue 20): each second's tick, ledger save, node
-sample and each step's rate save visit the nodes that changed, a bounded number at a time, never
+and each step's rate save visit the nodes that changed, a bounded number at a time, never
 every node; heartbeats are checked and answered a bounded number per pass of the loop. A real
 hub object (tiny model, real SQLite store) with N nodes admitted through the fleet's own
 admission (the signed request's checks are tests/test_hub_*'s business)."""
@@ -16,7 +16,7 @@ import pytest
 import trio
 import trio.abc
 
-from echo2.learner_hub import curves, fleet
+from echo2.learner_hub import fleet
 from echo2.learner_hub.config import HubConfig
 from echo2.learner_hub.hub import WORK_GATE, Hub
 from echo2.protocol import envelope
@@ -122,18 +122,6 @@ def test_a_step_saves_the_rates_that_moved(big: tuple[Hub, list[Identity]]) -> N
     hub.store.call_sync(f.persist_job(2))
     saved = db.execute("SELECT peer_id, measured_rate FROM nodes WHERE measured_rate IS NOT NULL").fetchall()
     assert sorted(saved) == sorted((i.peer_id, 0.9) for i in idents[:3])
-
-
-def test_a_node_sample_takes_a_bounded_batch(big: tuple[Hub, list[Identity]]) -> None:
-    hub, idents = big
-    changed = hub.fleet.tokens_changed
-    changed.update(i.peer_id for i in idents)
-    hub.curves.rates.times.clear()  # a sample is due
-    hub.curves.update(hub)
-    assert len(changed) == N - curves.NODE_SAMPLE_BATCH
-    hub.curves.rates.times.clear()
-    hub.curves.update(hub)
-    assert not changed
 
 
 class _SealsPerPass(trio.abc.Instrument):
