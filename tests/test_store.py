@@ -199,3 +199,15 @@ def test_checkpoint_atomic_latest_keep_k(tmp_path: Path) -> None:
     s.save_checkpoint(4, {"version": 4})
     assert not list((tmp_path / "checkpoints").glob("*.tmp"))
     s.close()
+
+
+def test_the_banned_nodes_are_read_by_index(tmp_path: Path) -> None:
+    """The hub reads the banned nodes every second: by a partial index, not a scan of every node
+    row (~10 ms a read at 10,000 nodes)."""
+    with open_store(tmp_path) as s:
+        s.upsert_node("a", 1.0)
+        s.upsert_node("b", 1.0)
+        s.ban("b", "test", 2.0)
+        assert s.banned() == {"b": "test"}
+        plan = s._read("EXPLAIN QUERY PLAN SELECT peer_id, ban_reason FROM nodes WHERE banned = 1")
+        assert any("nodes_banned" in str(row[-1]) for row in plan), plan
