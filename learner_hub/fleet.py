@@ -41,6 +41,8 @@ log = logging.getLogger(__name__)
 LEDGER_SAVE_BATCH = 500
 #: nodes whose price, claim or timing moved that one tick visits at most (the rest at the next)
 TICK_BATCH = 250
+#: the capacity report is logged and stored at most this often when the fleet changes
+CAPACITY_LOG_EVERY_S = 60.0
 
 
 @dataclass
@@ -191,7 +193,8 @@ class Fleet:
         self.prices = PriceBook(self.claims)
         self._overclaim_punished: dict[str, float] = {}  # peer -> the claimed figure it was punished for
         self.links = LinkBook()  # what the hub observed of each node's links (A10)
-        self._busy_cache: tuple[tuple[int, int], float, float] | None = None  # predicted_busy_fraction_recent
+        self._busy_cache: tuple[int, float, float] | None = None  # predicted_busy_fraction_recent
+        self._capacity_logged_at = -float("inf")
 
     # --- admission -------------------------------------------------------------------------------
     async def admit(self, peer: str, join_token: str, announce: Announce, now: float) -> tuple[bool, str]:
@@ -300,7 +303,7 @@ class Fleet:
         # the accounts changed since the last save, and the alive mark that bills open intervals
         # up to now after a restart (ledgerstore.py): every second, O(changed), not O(billed)
         self.store.submit(save_accounts, self.ledger.view(now, self.ledger.take_changed(LEDGER_SAVE_BATCH)))
-        self.log_if_changed()
+        self.log_if_changed(now)
 
     def _admission_rank(self, peer: str) -> int:
         return self._admitted.get(peer, -1)
@@ -544,7 +547,11 @@ class Fleet:
         return capacity_report(b, self.t_train() or 1e-3, s, self.capacity(), overhead_s=self.figures.step_overhead())
 
     def predicted_busy_fraction(self) -> float:
-        """The capacity model's learner utilization for the measured fleet (BRIEF §5)."""
+        """The capacity model's learner utilization for the measured fleet (BRIEF §5), as
+        :meth:`predicted_busy_fraction_recent` keeps it."""
+        return self.predicted_busy_fraction_recent(time.time())
+
+    def _predicted_busy_now(self) -> float:
         if not self.trained() or not self.nodes:
             return 0.0
         try:
@@ -553,13 +560,14 @@ class Fleet:
             return 0.0
 
     def predicted_busy_fraction_recent(self, now: float, max_age_s: float = 10.0) -> float:
-        """:meth:`predicted_busy_fraction` for the status, written every second: the capacity
-        model walks every node (O(fleet) on the loop once training has started), so it is
-        recomputed only after a step, a join or a leave, or ``max_age_s``."""
-        key = (len(self.figures.history), len(self.nodes))
+        """:meth:`predicted_busy_fraction` for the status (every second) and each step's figures
+        (twice a step): the capacity model walks every node (~45 ms on the loop at 10,000 nodes),
+        so it is recomputed after a step or when ``max_age_s`` old, not at each join or leave (a
+        fleet with churn changes at every status write)."""
+        key = len(self.figures.history)
         cached = self._busy_cache
-        if cached is None or cached[0] != key or now - cached[1] >= max_age_s:
-            cached = self._busy_cache = (key, now, self.predicted_busy_fraction())
+        if cached is None or cached[0] != key or not 0 <= now - cached[1] < max_age_s:
+            cached = self._busy_cache = (key, now, self._predicted_busy_now())
         return cached[2]
 
     def capacity_meta(self) -> dict[str, Any]:
@@ -571,9 +579,12 @@ class Fleet:
             "nodes": [{"node_id": n.node_id, "load_s": n.load_s, "task_s": n.task_s, "rate": n.rate} for n in self.capacity()],
         }
 
-    def log_if_changed(self) -> None:
-        if self.changed and self.trained():
-            self.changed = False
+    def log_if_changed(self, now: float) -> None:
+        """The capacity report in the log and the store when the fleet changed, at most every
+        CAPACITY_LOG_EVERY_S: it walks every node and logs and stores 10,000 entries at 10,000
+        nodes (~45 ms of loop), and with churn the fleet changes every second."""
+        if self.changed and self.trained() and not 0 <= now - self._capacity_logged_at < CAPACITY_LOG_EVERY_S:
+            self.changed, self._capacity_logged_at = False, now
             log.info("fleet changed (%d nodes):\n%s", len(self.nodes), self.capacity_report().format())
             self.store.submit(HubStore.set_meta, "capacity", self.capacity_meta())
 

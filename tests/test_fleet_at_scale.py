@@ -124,6 +124,30 @@ def test_a_step_saves_the_rates_that_moved(big: tuple[Hub, list[Identity]]) -> N
     assert sorted(saved) == sorted((i.peer_id, 0.9) for i in idents[:3])
 
 
+def test_the_capacity_model_runs_once_a_step_not_at_each_change(big: tuple[Hub, list[Identity]],
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """Once training runs, the capacity model (every node walked) is recomputed after a step or
+    every 10 s for the status and the step's figures, and logged at most once a minute, whatever
+    the churn: 10 seconds of a join or leave every second walked the fleet 21 times before."""
+    hub, _ = big
+    f = hub.fleet
+    walks = _count_calls(monkeypatch, f, "capacity")
+    hub.history.append({"step": 1, "train_s": 5.0, "reward": 0.0, "t": 1.0})
+    try:
+        t0 = time.time()
+        for k in range(10):  # a node joins or leaves every second
+            f.changed = True
+            f.tick(t0 + k)
+            f.predicted_busy_fraction_recent(t0 + k)  # the status write
+        assert walks[0] == 3, walks  # the log once (its report and its stored entries), the status once
+        hub.history.append({"step": 2, "train_s": 5.0, "reward": 0.0, "t": 2.0})
+        walks[0] = 0
+        f.predicted_busy_fraction(), f.predicted_busy_fraction()  # the step's figures
+        assert walks[0] == 1
+    finally:
+        del hub.history[-2:]
+
+
 class _SealsPerPass(trio.abc.Instrument):
     """The most tasks sealed in one pass of the loop (between two waits for I/O)."""
 
