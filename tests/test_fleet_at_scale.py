@@ -124,6 +124,30 @@ def test_a_step_saves_the_rates_that_moved(big: tuple[Hub, list[Identity]]) -> N
     assert sorted(saved) == sorted((i.peer_id, 0.9) for i in idents[:3])
 
 
+def test_a_learner_step_rechecks_only_the_nodes_that_fall_behind(big: tuple[Hub, list[Identity]],
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """When the oldest admissible version moves up (each learner step), the nodes whose
+    eligibility for tasks it changes are those holding a version it passed: 3 of N here, where a
+    full pass visited every node; and the dispatcher's flags are what the full pass sets."""
+    hub, idents = big
+    out, d = hub.outbox, hub.dispatcher
+    nodes = hub.fleet.nodes
+    for n in nodes.values():
+        n.held_version = 5
+    for ident in idents[:3]:
+        nodes[ident.peer_id].held_version = 4
+    monkeypatch.setattr(hub.fleet, "active", None)
+    out._apply_eligibility(4, None, nodes)
+    per_node = _count_calls(monkeypatch, d, "set_node_active")
+    whole = _count_calls(monkeypatch, d, "set_active")
+    out._apply_eligibility(5, None, nodes)  # the learner stepped: version 4 is too old now
+    assert whole[0] == 0 and per_node[0] == 3
+    assert {p for p, st in d.nodes.items() if not st.active} == {i.peer_id for i in idents[:3]}
+    nodes[idents[0].peer_id].held_version = 6  # it loads the newest version: eligible again
+    out._apply_eligibility(6, None, nodes)
+    assert {p for p, st in d.nodes.items() if st.active} == {idents[0].peer_id}
+
+
 def test_the_capacity_model_runs_once_a_step_not_at_each_change(big: tuple[Hub, list[Identity]],
                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
     """Once training runs, the capacity model (every node walked) is recomputed after a step or
