@@ -278,10 +278,15 @@ class Fleet:
         self._rates_unsaved |= self.dispatcher.timing_changed
         pending |= self._claim_changed
         self.dispatcher.timing_changed, self._claim_changed = set(), set()
-        due = self.prices.moving | pending
-        batch = sorted(due, key=self._admission_rank) if len(due) <= TICK_BATCH else heapq.nsmallest(
-            TICK_BATCH, due, key=self._admission_rank)
-        pending.difference_update(batch)
+        moving = self.prices.moving
+        if len(moving) + len(pending) <= TICK_BATCH:
+            batch = sorted(moving | pending, key=self._admission_rank)
+            pending.clear()
+        else:  # a backlog: drained TICK_BATCH a tick, in no particular order, O(batch) to pick
+            if len(moving) > TICK_BATCH // 2:
+                pending |= moving
+                moving = set()
+            batch = list(moving) + [pending.pop() for _ in range(min(len(pending), TICK_BATCH - len(moving)))]
         for peer in batch:
             node = self.nodes.get(peer)
             if node is None:  # a punishment may ban (and remove) a node
