@@ -224,3 +224,25 @@ def test_heartbeats_are_answered_a_few_per_pass_of_the_loop(big: tuple[Hub, list
     trio.run(main)
     assert len(got) == 64 and seals.most <= WORK_GATE, seals.most
     assert all(isinstance(envelope.open_envelope(g, Task, replay=None).message, Task) for g in got)
+
+
+def test_closed_tasks_issue_prices_are_dropped_in_bulk() -> None:
+    """The tick hands the tasks in flight to the price book every second: it drops the prices of
+    closed tasks once they are many (amortised O(1) a task), not in a pass over every task each
+    second, and never one still in flight."""
+    from echo2.learner_hub.claims import PriceBook
+
+    book = PriceBook()
+    book.admit("p", 1.0, 0.0)
+    for i in range(5000):
+        book.issued(f"t{i}", "p")
+    in_flight = {f"t{i}": None for i in range(5000)}
+    for i in range(1000):  # closed without an accepted result: fewer than the bulk size
+        del in_flight[f"t{i}"]
+    book.forget_tasks(in_flight)
+    assert len(book._tasks) == 5000
+    for i in range(1000, 2300):
+        del in_flight[f"t{i}"]
+    book.forget_tasks(in_flight)
+    assert set(book._tasks) == set(in_flight) and len(in_flight) == 2700
+    assert book.task_price("t4999", "p") == 1.0
