@@ -139,7 +139,12 @@ class PriceBook:
         return None
 
     def forget_tasks(self, keep: Iterable[str]) -> None:
-        """Drop the issue prices of tasks that closed without an accepted result."""
+        """Drop the issue prices of tasks that closed without an accepted result, once they are
+        many (at least 1,024 and a quarter of those kept): the fleet's tick calls this every
+        second, and a pass over every task in flight each time cost ~1 ms a second at 10,000
+        nodes (py-spy of the hub at rest); amortised, it is O(1) per closed task."""
         live = keep if isinstance(keep, (set, dict)) else set(keep)
+        if len(self._tasks) - len(live) < max(1024, len(live) // 4):
+            return
         for t in [t for t in self._tasks if t not in live]:
             del self._tasks[t]

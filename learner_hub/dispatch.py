@@ -222,7 +222,9 @@ class Dispatcher:
 
     def _node_changed(self, st: NodeState, name: str) -> None:
         self.index.update(st)
-        self.timing_changed.add(st.node_id)  # the fleet's overclaim check reads these (drained each second)
+        if name != "active" and not st.claimed:  # a hub-timed rate moved: the fleet's overclaim check
+            self.timing_changed.add(st.node_id)  # and rate save read these (10,000 claims seeded at
+            # admission, or a step's activity changes, were as many useless visits by the next tick)
         if name == "claimed":
             self._count_on.node_timed(st.in_flight, not st.claimed)
 

@@ -198,6 +198,38 @@ class CountOn:
         return self.total
 
 
+class HeldVersions:
+    """The nodes by the version each holds (the outbox's eligibility: only nodes holding a version
+    >= the oldest admissible one get tasks). When that bound moves up a learner step, the nodes
+    that fall behind are the ones in the versions it passes, instead of a pass over every node
+    (~2.5 us a node: 25 ms of loop per step at 10,000 nodes)."""
+
+    def __init__(self) -> None:
+        self._at: dict[str, int] = {}
+        self._by: dict[int, set[str]] = {}
+
+    def __len__(self) -> int:
+        return len(self._at)
+
+    def held(self, peer: str, version: int | None) -> None:
+        """``peer`` holds ``version`` now (None: it is gone)."""
+        old = self._at.pop(peer, None)
+        if old is not None:
+            bucket = self._by[old]
+            bucket.discard(peer)
+            if not bucket:
+                del self._by[old]
+        if version is not None:
+            self._at[peer] = version
+            self._by.setdefault(version, set()).add(peer)
+
+    def between(self, lo: int, hi: int) -> list[str]:
+        """The nodes holding a version in [lo, hi)."""
+        if hi - lo > len(self._by):
+            return [p for v, ps in self._by.items() if lo <= v < hi for p in ps]
+        return [p for v in range(lo, hi) for p in self._by.get(v, ())]
+
+
 def plan(d: Dispatcher, now: float, learner_version: int) -> list[TaskAssignment]:
     """``Dispatcher.next_tasks``: the same decisions as walking every active node in order
     ``(-weight, id)`` round by round, but walking only the timed nodes with a free slot (from the

@@ -19,7 +19,7 @@ import trio
 from echo2.protocol.errors import MeaningError
 from echo2.protocol.messages import Announce, RelayReport, Task
 
-from .activation import ActiveSet, Offer
+from .activation import ActiveDecision, ActiveSet, Offer, choose_active
 from .admission import AdmissionPolicy, Decision
 from .broadcast import PeerInfo
 from .capacity import CapacityReport, NodeCapacity, capacity_report
@@ -35,7 +35,14 @@ from .storeworker import StoreWorker
 
 log = logging.getLogger(__name__)
 
-LEDGER_SAVE_EVERY_S = 10.0  # billed time is persisted this often (accepted results: at once; see Ledger.save_due)
+#: accounts written per ledger save at most (once a second; the rest at the next): admitting 10,000
+#: nodes at once changed 10,000 accounts, whose rows in one save held the store thread's GIL for
+#: tens of ms right after (`echo2 bench intake`, the idle phase)
+LEDGER_SAVE_BATCH = 500
+#: nodes whose price, claim or timing moved that one tick visits at most (the rest at the next)
+TICK_BATCH = 250
+#: the capacity report is logged and stored at most this often when the fleet changes
+CAPACITY_LOG_EVERY_S = 60.0
 
 
 @dataclass
@@ -120,7 +127,7 @@ class SilenceOrder:
 
 def save_accounts(st: HubStore, accounts: AccountsView) -> None:
     """The ledger's save, in the store's thread: rows of the accounts changed since the last save
-    and the active ones due (Ledger.save_due), built here, not on the loop."""
+    (Ledger.take_changed), built here, not on the loop, and the hub's alive mark."""
     st.save_ledger(accounts.rows(), accounts.now)
 
 
@@ -163,6 +170,8 @@ class Fleet:
         self.tokens_changed: set[str] = set()  # nodes whose token count changed since curves sampled it
         self.status_changed: set[str] = set()  # nodes whose status entry may have changed since the last write
         self._claim_changed: set[str] = set()  # announced claims since the last tick
+        self._tick_pending: set[str] = set()  # claims or timings changed, not yet visited by a tick
+        self._rates_unsaved: set[str] = set()  # measured rates changed since a step last saved them
         self._admitted: dict[str, int] = {}  # peer -> admission number (the order of self.nodes)
         self._admission_seq = itertools.count()
         self.activation = ActiveSet(min_gain=0.05)  # who works, kept by events (activation.py)
@@ -184,7 +193,8 @@ class Fleet:
         self.prices = PriceBook(self.claims)
         self._overclaim_punished: dict[str, float] = {}  # peer -> the claimed figure it was punished for
         self.links = LinkBook()  # what the hub observed of each node's links (A10)
-        self._busy_cache: tuple[tuple[int, int], float, float] | None = None  # predicted_busy_fraction_recent
+        self._busy_cache: tuple[int, float, float] | None = None  # predicted_busy_fraction_recent
+        self._capacity_logged_at = -float("inf")
 
     # --- admission -------------------------------------------------------------------------------
     async def admit(self, peer: str, join_token: str, announce: Announce, now: float) -> tuple[bool, str]:
@@ -218,7 +228,8 @@ class Fleet:
             self.changed = True
         else:
             node.announce, node.last_seen = announce, now
-        self._claim_changed.add(peer)
+        if self.dispatcher.timed_tasks(peer):  # a claim is checked against timed work: a new node has none
+            self._claim_changed.add(peer)  # (10,000 joiners at once were 10,000 visits by the next tick)
         known = self.ledger.price_micro(peer) / MICRO if peer in self.ledger else None
         price = self.prices.admit(peer, announce.price_usd_per_hour, now, known)
         if known is None or to_micro(price) != self.ledger.price_micro(peer):
@@ -259,11 +270,24 @@ class Fleet:
     def tick(self, now: float) -> None:
         """Once a second: price changes due, overclaims, the billed time saved, fleet changes logged."""
         # only nodes whose price is moving or whose claim or timing changed can be due (visiting
-        # every node took ~25 ms a second at 10,000 nodes, `echo2 bench intake`); in admission order
-        due = self.prices.moving | self.dispatcher.timing_changed | self._claim_changed
+        # every node took ~25 ms a second at 10,000 nodes, `echo2 bench intake`); in admission
+        # order, at most TICK_BATCH a tick (~10 us a node: the first tick after admitting 10,000
+        # nodes at once visited all of them, ~90 ms of loop, measured on a hub in-process)
+        pending = self._tick_pending
+        pending |= self.dispatcher.timing_changed
+        self._rates_unsaved |= self.dispatcher.timing_changed
+        pending |= self._claim_changed
         self.dispatcher.timing_changed, self._claim_changed = set(), set()
-        for peer in [p for p in self.nodes if p in due] if len(due) > len(self.nodes) // 8 else sorted(
-                due, key=self._admission_rank):
+        moving = self.prices.moving
+        if len(moving) + len(pending) <= TICK_BATCH:
+            batch = sorted(moving | pending, key=self._admission_rank)
+            pending.clear()
+        else:  # a backlog: drained TICK_BATCH a tick, in no particular order, O(batch) to pick
+            if len(moving) > TICK_BATCH // 2:
+                pending |= moving
+                moving = set()
+            batch = list(moving) + [pending.pop() for _ in range(min(len(pending), TICK_BATCH - len(moving)))]
+        for peer in batch:
             node = self.nodes.get(peer)
             if node is None:  # a punishment may ban (and remove) a node
                 continue
@@ -281,12 +305,10 @@ class Fleet:
                 self._overclaim_punished[peer] = claim
                 self.punish(peer, Event.OVERCLAIM, f"claimed {claim:.3g} rollouts/s, measured {measured or 0.0:.3g}")
         self.prices.forget_tasks(self.dispatcher.in_flight)
-        # each account changed since the last save, and each billed one at least every
-        # LEDGER_SAVE_EVERY_S, spread over the seconds (Ledger.save_due)
-        to_save = self.ledger.save_due(now, LEDGER_SAVE_EVERY_S)
-        if to_save:
-            self.store.submit(save_accounts, self.ledger.view(now, to_save))
-        self.log_if_changed()
+        # the accounts changed since the last save, and the alive mark that bills open intervals
+        # up to now after a restart (ledgerstore.py): every second, O(changed), not O(billed)
+        self.store.submit(save_accounts, self.ledger.view(now, self.ledger.take_changed(LEDGER_SAVE_BATCH)))
+        self.log_if_changed(now)
 
     def _admission_rank(self, peer: str) -> int:
         return self._admitted.get(peer, -1)
@@ -442,16 +464,41 @@ class Fleet:
             log.info("activation: %d active, %d standby %s", len(self.activation.active),
                      len(self.nodes) - len(self.activation.active), self.last_activation)
 
-    def reactivate(self) -> None:
+    async def reactivate(self) -> None:
         """The housekeeping's periodic decision: :meth:`activate`, unless it cannot change anything.
         Not cost-aware (``activation = "all"``, or nothing trained yet) the active set is every
         available node, which joins, pauses and leaves keep (:class:`ActiveSet`); rebuilding the
         offers of every node to find that cost the loop ~25 ms every 5 s at 10,000 nodes
-        (/tmp profile of the hub at rest, `echo2 bench intake --clients`)."""
+        (/tmp profile of the hub at rest, `echo2 bench intake --clients`). Cost-aware, the offers
+        are read and the cover solved in a worker thread: 15 ms of offers and 3-40 ms of solving
+        on the loop every 5 s at 10,000 nodes (the exact stage's table), a p99 loop lag of its own.
+        The decision is then taken on the loop with the events since (:meth:`ActiveSet.adopt`)."""
         trained = self.trained()
         if self.active is not None and not self.activation.cost_aware and not (self.cfg.activation != "all" and trained):
             return
-        self.activate(trained=trained)
+        if self.active is None:
+            self.activate(trained=trained)
+            return
+        t_train = self.t_train()
+        cost_aware = self.cfg.activation != "all" and trained
+        need = self.cfg.activation_margin * self.cfg.prompts_per_step * self.cfg.group_size / max(t_train, 1e-6)
+        act, mark, items = self.activation, self.activation.mark(), list(self.nodes.items())
+        prev_paid = set(act.paid)
+        dnodes = self.dispatcher.nodes
+
+        def decide() -> tuple[dict[str, Offer], ActiveDecision]:
+            # reads live dicts one key at a time (each lookup atomic under the GIL), never iterates them
+            offers = {p: self._offer(p) for p, n in items if not n.paused and (not cost_aware or p in dnodes)}
+            return offers, choose_active(offers, cost_aware, need, prev_paid, act.min_gain)
+
+        offers, decided = await trio.to_thread.run_sync(decide)
+        changed = act.adopt(offers, cost_aware, need, decided, mark)
+        if changed is None:  # an event re-solved on the loop meanwhile: the set is already fresh
+            return
+        self._apply(*changed)
+        if changed[0] or changed[1]:
+            log.info("activation: %d active, %d standby %s", len(act.active), len(self.nodes) - len(act.active),
+                     self.last_activation)
 
     def _offer(self, peer: str) -> Offer:
         return self.prices.offered(peer), self.dispatcher.measured_rate(peer)
@@ -505,7 +552,11 @@ class Fleet:
         return capacity_report(b, self.t_train() or 1e-3, s, self.capacity(), overhead_s=self.figures.step_overhead())
 
     def predicted_busy_fraction(self) -> float:
-        """The capacity model's learner utilization for the measured fleet (BRIEF §5)."""
+        """The capacity model's learner utilization for the measured fleet (BRIEF §5), as
+        :meth:`predicted_busy_fraction_recent` keeps it."""
+        return self.predicted_busy_fraction_recent(time.time())
+
+    def _predicted_busy_now(self) -> float:
         if not self.trained() or not self.nodes:
             return 0.0
         try:
@@ -514,13 +565,14 @@ class Fleet:
             return 0.0
 
     def predicted_busy_fraction_recent(self, now: float, max_age_s: float = 10.0) -> float:
-        """:meth:`predicted_busy_fraction` for the status, written every second: the capacity
-        model walks every node (O(fleet) on the loop once training has started), so it is
-        recomputed only after a step, a join or a leave, or ``max_age_s``."""
-        key = (len(self.figures.history), len(self.nodes))
+        """:meth:`predicted_busy_fraction` for the status (every second) and each step's figures
+        (twice a step): the capacity model walks every node (~45 ms on the loop at 10,000 nodes),
+        so it is recomputed after a step or when ``max_age_s`` old, not at each join or leave (a
+        fleet with churn changes at every status write)."""
+        key = len(self.figures.history)
         cached = self._busy_cache
-        if cached is None or cached[0] != key or now - cached[1] >= max_age_s:
-            cached = self._busy_cache = (key, now, self.predicted_busy_fraction())
+        if cached is None or cached[0] != key or not 0 <= now - cached[1] < max_age_s:
+            cached = self._busy_cache = (key, now, self._predicted_busy_now())
         return cached[2]
 
     def capacity_meta(self) -> dict[str, Any]:
@@ -532,17 +584,23 @@ class Fleet:
             "nodes": [{"node_id": n.node_id, "load_s": n.load_s, "task_s": n.task_s, "rate": n.rate} for n in self.capacity()],
         }
 
-    def log_if_changed(self) -> None:
-        if self.changed and self.trained():
-            self.changed = False
+    def log_if_changed(self, now: float) -> None:
+        """The capacity report in the log and the store when the fleet changed, at most every
+        CAPACITY_LOG_EVERY_S: it walks every node and logs and stores 10,000 entries at 10,000
+        nodes (~45 ms of loop), and with churn the fleet changes every second."""
+        if self.changed and self.trained() and not 0 <= now - self._capacity_logged_at < CAPACITY_LOG_EVERY_S:
+            self.changed, self._capacity_logged_at = False, now
             log.info("fleet changed (%d nodes):\n%s", len(self.nodes), self.capacity_report().format())
             self.store.submit(HubStore.set_meta, "capacity", self.capacity_meta())
 
     def persist_job(self, step: int) -> Callable[[HubStore], None]:
         """Snapshot (on the loop) what a trained step persists of the fleet; the job writes it."""
         now = time.time()
-        accounts = self.ledger.view(now, self.ledger.save_due(now, LEDGER_SAVE_EVERY_S))
-        rates = {p: r for p in self.nodes if (r := self.dispatcher.measured_rate(p)) is not None}
+        accounts = self.ledger.view(now, self.ledger.take_changed(LEDGER_SAVE_BATCH))
+        # the rates that moved since the last step's save (each tick collects them), not every
+        # node's: O(fleet) on the loop and in the store's thread at every step before
+        moved, self._rates_unsaved = self._rates_unsaved | self.dispatcher.timing_changed, set()
+        rates = {p: r for p in moved if p in self.nodes and (r := self.dispatcher.measured_rate(p)) is not None}
         meta = self.capacity_meta() if step % 10 == 0 else None
 
         def write(st: HubStore) -> None:

@@ -20,6 +20,7 @@ from echo2.protocol.messages import MAX_BUNDLE_TASKS, Task, TaskBundle, bundle_p
 from .config import HubConfig
 from .data import POSITION_KEY, PromptSource
 from .dispatch import PromptGroup
+from .dispatch_index import HeldVersions
 from .evaluation import Evaluator, parse_eval_prompt_id
 from .fleet import Fleet
 from .intake import Intake, TaskParams
@@ -51,6 +52,7 @@ class Outbox:
         source.restore(store.get_meta(POSITION_KEY))
         self.evaluator: Evaluator | None = None  # set by the hub when eval_every > 0
         self._eligible_min_v: int | None = None  # the min_v the dispatcher's active flags were set for
+        self._held = HeldVersions()  # the nodes by the version they hold
         self.eval_params = TaskParams(1 if cfg.eval_temperature == 0 else cfg.group_size, cfg.max_new_tokens,
                                       cfg.eval_temperature, cfg.top_p)
 
@@ -128,19 +130,29 @@ class Outbox:
         return min(540.0, max(60.0, task.deadline - time.time() + 60.0))
 
     def _apply_eligibility(self, min_v: int, active: set[str] | None, nodes: dict[str, Any]) -> None:
-        """Only nodes that hold a version >= ``min_v`` and are activated get tasks: a full pass
-        when ``min_v`` moves (once a learner step), else the nodes the fleet saw change."""
-        changed = self.fleet.eligibility_changed
-        if min_v != self._eligible_min_v:
-            self._eligible_min_v = min_v
+        """Only nodes that hold a version >= ``min_v`` and are activated get tasks: the nodes the
+        fleet saw change, and when ``min_v`` moves up (once a learner step) the nodes holding a
+        version it passed (dispatch_index.HeldVersions); a full pass only the first time, or if
+        ``min_v`` ever moves down."""
+        changed, held, last = self.fleet.eligibility_changed, self._held, self._eligible_min_v
+        if last is None or min_v < last:
+            for p in changed:
+                if p not in nodes:
+                    held.held(p, None)
+            for p, n in nodes.items():
+                held.held(p, n.held_version)
             self.dispatcher.set_active(
                 p for p, n in nodes.items() if n.held_version >= min_v and (active is None or p in active)
             )
         else:
+            for p in held.between(last, min_v):  # fell behind: none of them is eligible any more
+                self.dispatcher.set_node_active(p, False)
             for p in changed:
                 n = nodes.get(p)
+                held.held(p, n.held_version if n is not None else None)
                 self.dispatcher.set_node_active(
                     p, n is not None and n.held_version >= min_v and (active is None or p in active))
+        self._eligible_min_v = min_v
         changed.clear()
 
     def _eval_tasks(self, now: float) -> list[Task]:

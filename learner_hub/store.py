@@ -33,7 +33,8 @@ from echo2.fsutil import fsync_dir
 
 from .checkpointstore import CheckpointFiles
 from .joinstore import JoinTokens
-from .ledger import AccountRow, NodeRow, hardware_summary, ledger_csv, render_ledger, render_nodes, totals_of
+from .ledger import NodeRow, hardware_summary, ledger_csv, render_ledger, render_nodes, totals_of
+from .ledgerstore import LedgerRows
 from .schema import (
     MIGRATIONS,
     NODE_COLS,
@@ -65,7 +66,7 @@ class Accepted(NamedTuple):
     payload: bytes
     price_micro: int
 
-class HubStore(JoinTokens, CheckpointFiles):
+class HubStore(JoinTokens, CheckpointFiles, LedgerRows):
     """SQLite-backed hub state. ``path`` is the database file (conventionally DIR/hub.sqlite);
     checkpoints go to ``checkpoint_dir`` (default: a ``checkpoints`` folder beside it)."""
 
@@ -482,42 +483,6 @@ class HubStore(JoinTokens, CheckpointFiles):
             (limit,),
         )
         return [VersionRecord(*r) for r in reversed(rows)]
-
-    # --- ledger ----------------------------------------------------------------------------------
-    def save_ledger(self, rows: Iterable[AccountRow], now: float) -> None:
-        """Persist a :meth:`Ledger.snapshot` (upsert per node): billed time, cost, price and
-        refusals. The accepted counts of a node already in the table are left alone: each
-        :meth:`record_accepted` adds its own in its transaction, and a snapshot taken on the loop
-        before results that were committed ahead of it must not move them backwards."""
-        with self._tx() as db:
-            db.executemany(
-                "INSERT INTO ledger (peer_id, price, active_s, cost_usd, accepted_results,"
-                " accepted_rollouts, accepted_tokens, refused_by_reason, saved_at, price_micro, active_ms,"
-                " cost_micro, cost_rem) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)"
-                " ON CONFLICT(peer_id) DO UPDATE SET price = excluded.price, active_s = excluded.active_s,"
-                " cost_usd = excluded.cost_usd, refused_by_reason = excluded.refused_by_reason,"
-                " saved_at = excluded.saved_at, price_micro = excluded.price_micro, active_ms = excluded.active_ms,"
-                " cost_micro = excluded.cost_micro, cost_rem = excluded.cost_rem",
-                [
-                    (r.peer_id, r.price_usd_per_hour, r.active_s, r.cost_usd, r.accepted_results,
-                     r.accepted_rollouts, r.accepted_tokens, json.dumps(r.refused_by_reason, sort_keys=True), now,
-                     r.price_micro, r.active_ms, r.cost_micro, r.cost_rem)
-                    for r in rows
-                ],
-            )
-
-    def load_ledger(self) -> list[AccountRow]:
-        """The persisted accounts (all inactive): feed to :meth:`Ledger.restore`."""
-        rows = self._read(
-            "SELECT peer_id, price_micro, active_ms, cost_micro, accepted_results, accepted_rollouts, accepted_tokens,"
-            " refused_by_reason, cost_rem FROM ledger ORDER BY peer_id"
-        )
-        out = []
-        for p, price, act, cost, res, ro, tok, ref, rem in rows:
-            by_reason = {str(k): int(v) for k, v in json.loads(ref).items()}
-            out.append(AccountRow(p, int(price), False, int(act), int(cost), int(res), int(ro), int(tok),
-                                  sum(by_reason.values()), by_reason, int(rem)))
-        return out
 
     # --- evaluations -------------------------------------------------------------------------------
     def record_eval(self, rec: dict[str, Any], now: float) -> None:

@@ -81,3 +81,42 @@ def test_not_cost_aware_is_every_available_node() -> None:
     inc.join("c", (5.0, 3.0))
     inc.leave("a")
     assert inc.active == {"b", "c"} and inc.solves == 1
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_a_decision_made_away_from_the_loop_is_the_full_one_with_the_events_since(seed: int) -> None:
+    """The periodic decision is made in a worker thread on a snapshot of the offers
+    (Fleet.reactivate) while joins and leaves go on: adopted, the set equals the full decision
+    over the offers as they are now; discarded (None) when an event re-solved meanwhile."""
+    rng = random.Random(seed)
+    cost_aware = seed % 4 != 0  # fixed per sequence: the mode changes only at a solve
+    inc = ActiveSet()
+    offers = {f"n{i}": _offer(rng) for i in range(30)}
+    inc.solve(offers, cost_aware, 30.0)
+    adopted = 0
+    for _ in range(40):
+        for p in list(offers):  # rates measured since
+            if rng.random() < 0.3 and offers[p][1] is not None:
+                offers[p] = (offers[p][0], round(rng.uniform(0.5, 20.0), 2))
+        need = rng.uniform(0.0, 60.0)
+        snap, prev_paid, mark = dict(offers), set(inc.paid), inc.mark()
+        decided = choose_active(snap, cost_aware, need, prev_paid)  # in the worker thread
+        for _ in range(rng.randrange(5)):  # events while it runs
+            peer = f"n{rng.randrange(40)}"
+            if rng.random() < 0.5:
+                o = (round(rng.uniform(0.01, 3.0), 3), None) if rng.random() < 0.7 else _offer(rng)
+                offers[peer] = o
+                inc.join(peer, o)
+            else:
+                offers.pop(peer, None)
+                inc.leave(peer)
+        before = set(inc.active)
+        changed = inc.adopt(snap, cost_aware, need, decided, mark)
+        if changed is None:
+            assert inc.solves > mark[0]  # an event re-solved on the loop: fresher than the thread's
+            inc.solve(offers, cost_aware, need)
+            continue
+        adopted += 1
+        assert inc.active == choose_active(offers, cost_aware, need, prev_paid)[0]
+        assert changed == (inc.active - before, before - inc.active) and set(inc.offers) == set(offers)
+    assert adopted >= 10

@@ -130,3 +130,26 @@ def test_count_on_asked_about_an_earlier_moment_scans() -> None:
     late = t.issued_at + 2 * t.expected_s + 2.0
     assert d.groups_to_count_on(late) == 0
     assert d.groups_to_count_on(100.0) == 1  # earlier again: answered by the scan, not the index
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_held_versions_find_the_nodes_a_moving_bound_passes(seed: int) -> None:
+    """HeldVersions.between(lo, hi) is exactly the nodes whose held version is in [lo, hi), after
+    any sequence of nodes loading versions and leaving (the outbox's eligibility per step)."""
+    from echo2.learner_hub.dispatch_index import HeldVersions
+
+    rng = random.Random(seed)
+    idx, ref = HeldVersions(), {}
+    for _ in range(300):
+        p = f"n{rng.randrange(40)}"
+        if rng.random() < 0.15:
+            idx.held(p, None)
+            ref.pop(p, None)
+        else:
+            v = rng.randrange(-1, 30)
+            idx.held(p, v)
+            ref[p] = v
+        lo = rng.randrange(-1, 30)
+        hi = lo + rng.choice([0, 1, 2, 5, 40])
+        assert sorted(idx.between(lo, hi)) == sorted(q for q, w in ref.items() if lo <= w < hi)
+        assert len(idx) == len(ref)

@@ -1,6 +1,7 @@
 """The ledger's running sums (issue 20): :meth:`Ledger.totals` from them equals
 :func:`totals_of` over every row, after any sequence of operations; the save set names exactly
-the accounts a save must write; a save's view reads whole accounts."""
+the accounts a save must write (the changed ones, never every billed one); a save's view reads
+whole accounts."""
 
 from __future__ import annotations
 
@@ -51,39 +52,35 @@ def test_totals_when_the_clock_steps_back() -> None:
     assert led.totals(60.0) == totals_of(led.rows(60.0))  # "a"'s open interval clips at 0
 
 
-def test_save_due_is_changed_accounts_and_active_ones_by_deadline() -> None:
+def test_a_save_takes_only_the_changed_accounts() -> None:
+    """Billed accounts are not rewritten as their time grows (the store bills an open interval up
+    to the hub's alive mark): with 1,000 accounts billed and nothing changing, a save writes none
+    (it wrote ~110 a second before, 1,000 every 10 s)."""
     led = Ledger()
-    led.activate("a", 0.0, price=1.0)
-    led.accept("b", 1, 10)
-    led.refuse("c", "stale")
-    assert sorted(led.save_due(0.0, 10.0)) == ["a", "b", "c"]
-    assert led.save_due(5.0, 10.0) == []  # nothing changed, "a" was saved 5 s ago
-    assert led.save_due(10.0, 10.0) == ["a"]  # the active one's billed time, every 10 s
-    led.accept("b", 1, 10)
-    assert led.save_due(12.0, 10.0) == ["b"]
-    led.deactivate("a", 15.0)
-    assert led.save_due(15.0, 10.0) == ["a"]  # its closing interval, once
-    assert led.save_due(40.0, 10.0) == []  # inactive and unchanged: never again
+    for i in range(1000):
+        led.activate(f"p{i:04}", 0.0, price=1.0)
+    assert len(led.take_changed()) == 1000  # activated: each once
+    assert all(led.take_changed() == [] for _ in range(60))
+    led.accept("p0001", 1, 10)
+    led.deactivate("p0002", 30.0)
+    assert sorted(led.take_changed()) == ["p0001", "p0002"]
+    assert led.take_changed() == []
 
 
-def test_save_due_spreads_a_burst_of_active_accounts() -> None:
-    """1,000 accounts activated at once: at most 1.1 x 1,000 / 10 s per save afterwards, each
-    saved again within twice the period, and the saves of later periods spread out."""
+def test_a_burst_of_changes_is_spread_over_saves() -> None:
+    """1,000 accounts changed at once: ``limit`` a save, each taken exactly once, and one that
+    changes again while waiting is still taken once."""
     led = Ledger()
     for i in range(1000):
         led.activate(f"p{i:04}", 0.0)
-    assert len(led.save_due(0.0, 10.0)) == 1000  # changed: all of them, at once
-    last = {f"p{i:04}": 0.0 for i in range(1000)}
-    per_save = []
-    for t in range(1, 61):
-        due = led.save_due(float(t), 10.0)
-        per_save.append(len(due))
-        for p in due:
-            assert t - last[p] >= 10.0
-            last[p] = float(t)
-        assert all(t - v <= 20.0 for v in last.values())  # none waits more than twice the period
-    assert max(per_save) <= 110 and min(per_save[-20:]) >= 1  # ~100 a second, no second idle
-    assert 900 <= sum(per_save[-10:]) <= 1100  # each account about once per period
+    taken: list[str] = []
+    for k in range(10):
+        batch = led.take_changed(100)
+        assert len(batch) == 100
+        taken += batch
+        if k == 0:
+            led.refuse("p0999" if "p0999" not in taken else "p0998", "stale")
+    assert led.take_changed(100) == [] and sorted(taken) == [f"p{i:04}" for i in range(1000)]
 
 
 def test_view_reads_each_account_when_its_rows_are_built() -> None:
