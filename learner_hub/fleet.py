@@ -5,7 +5,6 @@ back to intake and training through ``on_ban``.
 
 from __future__ import annotations
 
-import heapq
 import itertools
 import logging
 import time
@@ -30,6 +29,7 @@ from .ledger import MICRO, AccountsView, Ledger, to_micro
 from .links import LinkBook
 from .publisher import PolicyPublisher
 from .reputation import Event, ReputationBook, ReputationConfig
+from .silence import SilenceOrder
 from .store import HubStore
 from .storeworker import StoreWorker
 
@@ -88,41 +88,6 @@ class NodeInfo:
 
 #: the NodeInfo fields that status.json's entry of a node shows
 STATUS_FIELDS = frozenset({"held_version", "tasks_done", "rollouts", "tokens", "refused", "paused", "announce"})
-
-
-class SilenceOrder:
-    """Liveness by deadline: a heap of (last heard, peer), so a check pops only the entries older
-    than the silence instead of looking at every node each second. A contact pushes a new entry
-    and leaves the old one stale (dropped when it reaches the top); a time earlier than the last
-    one (a clock step, a test) is just another entry. Was: a dict in contact order, iterated from
-    its front each second: after each node's reinsertion the front holds deleted slots that every
-    iteration steps over, O(fleet) a check at 10,000 nodes."""
-
-    def __init__(self) -> None:
-        self._at: dict[str, float] = {}  # each peer's last contact: the live heap entry
-        self._heap: list[tuple[float, str]] = []
-
-    def heard(self, peer: str, at: float) -> None:
-        self._at[peer] = at
-        heapq.heappush(self._heap, (at, peer))
-        if len(self._heap) > 4 * len(self._at) + 1024:  # mostly stale entries: rebuilt, amortised O(1)
-            self._heap = [(t, p) for p, t in self._at.items()]
-            heapq.heapify(self._heap)
-
-    def forget(self, peer: str) -> None:
-        self._at.pop(peer, None)
-
-    def silent(self, nodes: dict[str, NodeInfo], now: float, silence_s: float) -> list[str]:
-        """The nodes not heard from for more than ``silence_s``, oldest contact first."""
-        out: list[str] = []
-        heap, at_of = self._heap, self._at
-        while heap and now - heap[0][0] > silence_s:
-            at, p = heapq.heappop(heap)
-            if at_of.get(p) == at and p in nodes and p not in out:
-                out.append(p)
-        for p in out:  # still silent, still known: the next check finds them again
-            heapq.heappush(heap, (at_of[p], p))
-        return out
 
 
 def save_accounts(st: HubStore, accounts: AccountsView) -> None:

@@ -8,7 +8,8 @@ import random
 import pytest
 from hubkit import announce
 
-from echo2.learner_hub.fleet import NodeInfo, SilenceOrder
+from echo2.learner_hub.fleet import NodeInfo
+from echo2.learner_hub.silence import SilenceOrder
 
 
 @pytest.mark.parametrize("seed", range(6))
