@@ -81,12 +81,6 @@ class MeaningError(ProtocolError):
     code = "meaning"
 
 
-class RateLimited(MeaningError):
-    """Authentic, but more of it than this peer may send now; retry later (a transient refusal)."""
-
-    code = "rate_limited"
-
-
 class ChunkMismatch(ProtocolError):
     """Chunk bytes do not match the manifest."""
 

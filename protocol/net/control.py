@@ -93,10 +93,6 @@ MAX_DIALLED = 16_384
 PeerCallback = Callable[[str], None]
 
 
-#: refusals that count as strikes against a peer (see RequestLimits.strikes_per_s)
-_STRIKE_CODES = frozenset({"rate_limited", "too_many_streams"})
-
-
 @dataclass(frozen=True)
 class RequestLimits:
     """What one remote peer may ask of this host; every figure is per remote peer ID or IP.
@@ -157,13 +153,6 @@ class RequestLimits:
     max_pending_per_ip: int = 16
     refused_hold_s: float = 5.0
     max_held_per_ip: int = 64
-    # A peer whose requests keep being refused for rate (``rate_limited``, ``too_many_streams``) is
-    # disconnected: a refusal still costs this host the stream (~3 ms of CPU for py-libp2p's
-    # negotiation and frames, issue 20's profile), so answering it forever is the flood's point.
-    # `bench attack` A3: 16 admitted throwaway keys sent ~38 refused admissions a second and took
-    # ~12% of the hub's core. Reconnecting goes through the connection gate again.
-    strikes_per_s: float = 1.0
-    strikes_burst: float = 20.0
     gossip_rate_per_s: float = 10.0  # messages per origin and topic handed to the handler
     gossip_burst: float = 30.0
     max_tracked_peers: int = 100_000
@@ -258,8 +247,6 @@ class ControlHost(RequestResponse, Gossip):
         self._inbound = InboundGate(lim, members=lambda ip: self._members.members(ip, trio.current_time()),
                                     trusts=self.trusts, ip_conns=lambda ip: self._ip_conns[ip], refuse=self._refuse)
         self._closing: set[int] = set()  # id(muxed conn) of stranger connections being closed
-        self._strikes = KeyedRateLimiter(lim.strikes_per_s, lim.strikes_burst, max_keys=lim.max_tracked_peers)
-        self._dropping: set[str] = set()  # peers being disconnected for their refusals
         self._trusted_bytes = ByteBudget(lim.max_inflight_per_peer, lim.max_inflight_bytes)
         self._stranger_peer_bytes = ByteBudget(lim.stranger_inflight_per_peer, lim.stranger_inflight_bytes)
         self._stranger_ip_bytes = ByteBudget(lim.stranger_inflight_per_ip, lim.stranger_inflight_bytes)
@@ -562,23 +549,6 @@ class ControlHost(RequestResponse, Gossip):
 
     def _refuse(self, code: str, peer: str, protocol_id: str, detail: str) -> None:
         self.refusals[code] += 1
-        now = trio.current_time()
-        self._log.log(logging.WARNING, code, now, "refused %s from %s: [%s] %s", protocol_id, peer, code, detail)
-        if code in _STRIKE_CODES and peer != "?" and not self._strikes.allow(peer, now):
-            self._drop_for_strikes(peer, code)
-
-    def _drop_for_strikes(self, peer: str, code: str) -> None:
-        if peer in self._dropping or self._nursery is None:
-            return
-        self._dropping.add(peer)
-        self.refusals["dropped_for_refusals"] += 1
-        self._log.log(logging.WARNING, "dropped_for_refusals", trio.current_time(),
-                      "disconnecting %s: its requests keep being refused (%s)", peer, code)
-
-        async def drop() -> None:
-            try:
-                await self.disconnect(peer)
-            finally:
-                self._dropping.discard(peer)
-
-        self._nursery.start_soon(drop)
+        self._log.log(
+            logging.WARNING, code, trio.current_time(), "refused %s from %s: [%s] %s", protocol_id, peer, code, detail
+        )
