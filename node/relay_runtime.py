@@ -24,16 +24,14 @@ Signed envelopes travel in MESSAGE frames: the hub's plan and manifest, our ``Ho
 Rules: a chunk is checked against the hub-signed manifest (encoded size and hash) before it is
 forwarded or stored; it is decoded (raw hash checked) and written to the :class:`ChunkStore` in a
 worker thread while the next chunk arrives, and forwarded to the children at once (cut-through).
-A corrupt chunk produces a ``Report``: ``on_evidence`` is called (the lead wires it to a control
-message for the hub) and the sender is avoided from then on. A parent that dies or stalls is
-routed around: its stripes are pulled from peers that advertised them, or from the hub. When the
-store holds every chunk of the version, ``on_holds`` is called and a signed ``HoldsVersion`` goes
-to the hub on the data plane.
+A corrupt chunk produces a ``Report`` (``on_evidence``, sent to the hub) and its sender is avoided
+from then on. A parent that dies or stalls is routed around: its stripes are pulled from peers
+that advertised them, or from the hub. A complete version calls ``on_holds`` and a signed
+``HoldsVersion`` goes to the hub on the data plane.
 
-Link queues, sender, receive loops and action dispatch are the shared
-:class:`echo2.protocol.net.relaydriver.RelayDriver` (the hub runs it too); chunks sent come from
-:mod:`.relay_source`, punched links from :mod:`.punch`; bench entry point :mod:`.relay_main`.
-Tests and benches only: ``RelayConfig.corrupt_sends`` flips one byte of every chunk sent.
+Link queues, sender, receive loops and action dispatch: the shared :class:`echo2.protocol.net.relaydriver.RelayDriver`
+(the hub runs it too); chunks sent: :mod:`.relay_source`; punched links: :mod:`.punch`; bench entry
+:mod:`.relay_main`. Tests and benches only: ``RelayConfig.corrupt_sends`` flips a byte of each chunk sent.
 """
 
 from __future__ import annotations
