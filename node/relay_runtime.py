@@ -1,5 +1,4 @@
 """The node side of the pipelined broadcast: :class:`echo2.protocol.relay.Relay` over real sockets.
-
 One :class:`RelayNode` per node process:
 
 - a :class:`~echo2.protocol.net.dataplane.DataPlaneServer` that children and pulling peers dial;
@@ -76,8 +75,12 @@ from .chunkstore import ChunkStore
 from .relay_guard import PeerGate
 from .relay_source import StoreSource
 from .relay_state import (
+    MAX_EVIDENCE,
+    STORE_QUEUE,
     Broadcast,
     HeldInfo,
+    OnEvidence,
+    OnHolds,
     PunchEdge,
     RelayConfig,
     budget_refusal,
@@ -88,14 +91,6 @@ from .relay_state import (
 )
 
 log = logging.getLogger(__name__)
-
-# Verified chunks waiting for the decode-and-store worker: a link whose chunks come faster than
-# the disk takes them waits (backpressure), instead of queueing without bound (A4).
-STORE_QUEUE = 16
-MAX_EVIDENCE = 1024  # evidence kept for inspection (each report goes to on_evidence as it comes)
-
-OnHolds = Callable[[HeldInfo], Awaitable[None] | None]
-OnEvidence = Callable[[int, Evidence], Awaitable[None] | None]
 
 
 class RelayNode:

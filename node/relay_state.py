@@ -5,11 +5,12 @@ from __future__ import annotations
 
 import math
 import os
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
 from echo2.protocol.errors import SchemaError
 from echo2.protocol.messages import BroadcastPlan, Manifest
-from echo2.protocol.relay import Relay
+from echo2.protocol.relay import Evidence, Relay
 
 
 @dataclass
@@ -205,3 +206,12 @@ def budget_refusal(m: Manifest, cfg: RelayConfig, *, missing_bytes: int, free_di
         return (f"{missing_bytes} bytes to store beside the {stored_bytes} the chunk store holds: over its disk cap "
                 f"of {cfg.max_disk_bytes} bytes")
     return None
+
+
+# Verified chunks waiting for the decode-and-store worker: a link whose chunks come faster than
+# the disk takes them waits (backpressure), instead of queueing without bound (A4).
+STORE_QUEUE = 16
+MAX_EVIDENCE = 1024  # evidence kept for inspection (each report goes to on_evidence as it comes)
+
+OnHolds = Callable[["HeldInfo"], Awaitable[None] | None]
+OnEvidence = Callable[[int, Evidence], Awaitable[None] | None]
