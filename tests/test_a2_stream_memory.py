@@ -11,12 +11,12 @@ hostile implementation would.
 from __future__ import annotations
 
 import struct
-from collections.abc import Awaitable, Callable
 from typing import Any
 
 import trio
 from libp2p.custom_types import TProtocol
 from libp2p.stream_muxer.yamux.yamux import TYPE_DATA, YAMUX_HEADER_FORMAT
+from test_a1_inflight import MiB, echo, run  # the same trio runner and echo handler
 
 from echo2.protocol.errors import Echo2Error
 from echo2.protocol.framing import encode_header
@@ -26,19 +26,6 @@ from echo2.protocol.net.libp2p_host import parse_peer_id
 from echo2.protocol.net.yamux_guard import WindowedYamux
 
 ECHO = "/echo2/test-a2/1.0.0"
-MiB = 1024 * 1024
-
-
-def run(fn: Callable[[], Awaitable[Any]], limit_s: float = 40.0) -> Any:
-    async def main() -> Any:
-        with trio.fail_after(limit_s):
-            return await fn()
-
-    return trio.run(main)
-
-
-async def echo(_peer: str, data: bytes) -> bytes:
-    return data[:16]
 
 
 def muxers(host: ControlHost) -> list[Any]:
@@ -90,7 +77,7 @@ def test_a2_refused_streams_leave_nothing_behind() -> None:
             # and the connection still serves
             assert await attacker.request(server.peer_id, ECHO, b"x" * 10, max_response=64) == b"x" * 10
 
-    run(main)
+    run(main, 40.0)
 
 
 def test_a2_honest_request_not_reset() -> None:
@@ -113,7 +100,7 @@ def test_a2_honest_request_not_reset() -> None:
             assert held(server) == (0, 0)
             assert server.refusals["transport"] == 0
 
-    run(main)
+    run(main, 40.0)
 
 
 def test_a2_window_overrun_closes_the_connection() -> None:
@@ -163,4 +150,4 @@ def test_a2_window_overrun_closes_the_connection() -> None:
             except Echo2Error:
                 pass  # the attacker may redial; what matters is that its overrun was cut
 
-    run(main)
+    run(main, 40.0)
