@@ -10,21 +10,11 @@ is a join of cached parts.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from .status_http import json_safe
 from .status_nodes import strict_json
-
-
-def _safe(x: Any) -> Any:
-    if isinstance(x, float):
-        return x if math.isfinite(x) else None
-    if isinstance(x, Mapping):
-        return {str(k): _safe(v) for k, v in x.items()}
-    if isinstance(x, (list, tuple)):
-        return [_safe(v) for v in x]
-    return x
 
 
 def encode_entry(entry: Any) -> str:
@@ -32,7 +22,7 @@ def encode_entry(entry: Any) -> str:
     try:
         return strict_json(entry)
     except ValueError:
-        return strict_json(_safe(entry))
+        return strict_json(json_safe(entry))
 
 
 class GrowingList:
