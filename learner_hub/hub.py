@@ -232,7 +232,7 @@ class Hub:
         # first: a request refused for rate costs no signature check and no replay nonce (A3/A11)
         refusal = self.admission_gate.refusal(peer, address_key(remote_ip() or peer), trio.current_time())
         if refusal is not None:
-            raise MeaningError(refusal)
+            raise refusal
         req = envelope.open_envelope(data, AdmissionRequest, replay=self.admission_replay, allowed=self._signed_by(peer, False)).message
         if req.peer_id != peer or req.announce.peer_id != peer:
             raise MeaningError("admission request names another peer")

@@ -81,6 +81,22 @@ class MeaningError(ProtocolError):
     code = "meaning"
 
 
+class RateLimited(ProtocolError):
+    """Request refused for rate; retry after ``retry_after_s``.
+
+    Raised by a request handler whose own bucket refused the request: the transport answers with
+    ``rate_limited`` and reads nothing more from the requester's connection for ``retry_after_s``
+    (see :mod:`echo2.protocol.net.yamux_guard`), so a peer that ignores the refusal and asks again
+    at once costs the server nothing until then.
+    """
+
+    code = "rate_limited"
+
+    def __init__(self, message: str = "", retry_after_s: float = 0.0) -> None:
+        super().__init__(message)
+        self.retry_after_s = max(0.0, float(retry_after_s))
+
+
 class ChunkMismatch(ProtocolError):
     """Chunk bytes do not match the manifest."""
 

@@ -77,6 +77,14 @@ class KeyedRateLimiter:
         bucket.reserve(cost, now)
         return True
 
+    def wait_s(self, key: Hashable, now: float, cost: int = 1) -> float:
+        """Seconds until ``key`` has ``cost`` tokens (0 if it has them now or is not tracked)."""
+        bucket = self._buckets.get(key)
+        if bucket is None:
+            return 0.0
+        short = cost - bucket.tokens(now)
+        return max(0.0, short / self.rate_per_s)
+
 
 class ConcurrencyLimiter:
     """Counts what each key holds open (streams, connections); refuses above ``limit`` per key.

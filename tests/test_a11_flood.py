@@ -19,7 +19,7 @@ from hubkit import small_hub_cfg
 
 from echo2.learner_hub.hub import Hub
 from echo2.protocol import envelope
-from echo2.protocol.errors import MeaningError
+from echo2.protocol.errors import RateLimited
 from echo2.protocol.identity import Identity
 from echo2.protocol.messages import AdmissionRequest
 from echo2.protocol.net import reqresp
@@ -133,7 +133,7 @@ def test_a11_admission_bucket_is_per_ip(hub: Hub) -> None:
             req = AdmissionRequest(peer_id=node.peer_id, join_token="", announce=_announce(node.peer_id))
             await hub.on_admission(node.peer_id, envelope.seal(node, req))
             return True
-        except MeaningError as exc:
+        except RateLimited as exc:  # code rate_limited: a node retries it
             assert "too many admission requests" in exc.message
             return False
         finally:

@@ -22,7 +22,7 @@ from hubkit import small_hub_cfg
 from echo2.learner_hub.admission_gate import AdmissionGate, AdmissionLimits
 from echo2.learner_hub.hub import Hub
 from echo2.protocol import envelope
-from echo2.protocol.errors import MeaningError
+from echo2.protocol.errors import RateLimited
 from echo2.protocol.identity import Identity
 from echo2.protocol.messages import AdmissionDecision, AdmissionRequest
 from echo2.protocol.net import reqresp
@@ -70,7 +70,7 @@ async def _admit_from(hub: Hub, ip: str, node: Identity) -> bool:
         req = AdmissionRequest(peer_id=node.peer_id, join_token="", announce=_announce(node.peer_id))
         reply = await hub.on_admission(node.peer_id, envelope.seal(node, req))
         return bool(envelope.open_envelope(reply, AdmissionDecision, replay=None).message.admitted)
-    except MeaningError as exc:
+    except RateLimited as exc:
         assert "too many admission requests" in exc.message
         return False
     finally:

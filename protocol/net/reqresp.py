@@ -13,7 +13,9 @@ bucket per peer and protocol (``rate_limited``, before a byte of the request is 
 the streams a peer holds open (``too_many_streams``; for peers the owner has not admitted, per IP
 too), byte budgets charged as the body actually arrives (``busy``) and a minimum body rate
 (``too_slow``). An announced length costs its announcer nothing: a stream that announces 64 MiB
-and sends nothing holds no budget and is cut once it falls below the minimum rate.
+and sends nothing holds no budget and is cut once it falls below the minimum rate. A peer refused
+for rate (by the bucket, or by a handler raising :class:`RateLimited`) is not read again until it
+may ask again (:func:`~echo2.protocol.net.yamux_guard.hold_reads`).
 
 Whom the owner trusts (its admitted peers; for a node, its hub) is :attr:`is_trusted`. A trusted
 peer's bytes count against its own per-peer budget and a pool of trusted peers; anyone else's
@@ -36,7 +38,7 @@ from libp2p.custom_types import TProtocol
 from libp2p.network.stream.exceptions import StreamEOF
 from libp2p.peer.peerinfo import PeerInfo
 
-from ..errors import Echo2Error, Timeout, TooLarge, TransportError
+from ..errors import Echo2Error, RateLimited, Timeout, TooLarge, TransportError
 from ..framing import (
     HEADER_SIZE,
     MAX_ERROR_PAYLOAD,
@@ -50,6 +52,7 @@ from ..framing import (
 from ..peerlimit import ByteBudget, Charge, ConcurrencyLimiter, KeyedRateLimiter, LogThrottle, address_key
 from .libp2p_host import parse_peer_addr, parse_peer_id, peer_str, remote_ip_of
 from .names import resolve_addr
+from .yamux_guard import END_POLL_S, discard_unread, forget_stream, hold_reads, peer_ended
 
 if TYPE_CHECKING:
     from .control import RequestLimits
@@ -153,43 +156,6 @@ async def quiet_close(stream: INetStream, *, reset: bool = False) -> None:
             logger.debug("stream cleanup failed: %r", exc)
 
 
-
-_END_POLL_S = 0.02
-
-
-def _peer_ended(muxed: Any) -> bool:
-    """Whether the remote side of a Yamux stream has closed or reset it (or it is gone)."""
-    if muxed is None:
-        return True
-    conn = getattr(muxed, "conn", None)
-    streams = getattr(conn, "streams", None)
-    if isinstance(streams, dict) and streams.get(getattr(muxed, "stream_id", None)) is not muxed:
-        return True
-    return bool(getattr(muxed, "recv_closed", True) or getattr(muxed, "reset_received", False))
-
-
-def _discard_unread(muxed: Any) -> None:
-    """Empty the receive buffer of a stream we will not read again (py-libp2p keeps it otherwise)."""
-    conn = getattr(muxed, "conn", None)
-    buffers = getattr(conn, "stream_buffers", None)
-    if isinstance(buffers, dict):
-        buf = buffers.get(getattr(muxed, "stream_id", None))
-        if buf:
-            del buf[:]
-
-
-async def _forget(muxed: Any) -> None:
-    """Drop py-libp2p's bookkeeping of a stream both sides have ended (its buffer is empty now)."""
-    finalize = getattr(getattr(muxed, "conn", None), "_finalize_stream", None)
-    if finalize is None or not getattr(muxed, "send_closed", False):
-        return
-    with trio.CancelScope(shield=True):
-        try:
-            await finalize(muxed, fully_closed=True)
-        except Exception as exc:
-            logger.debug("stream cleanup failed: %r", exc)
-
-
 class RequestResponse:
     """Serving and sending requests, mixed into :class:`~echo2.protocol.net.control.ControlHost`
     (which owns the host, the dialling and the counters used here)."""
@@ -276,14 +242,17 @@ class RequestResponse:
         # An address we cannot read is one more shared "unknown" address, never a free pass.
         return Charge([(self._stranger_peer_bytes, peer), (self._stranger_ip_bytes, address_key(ip or "?"))])
 
-    def _admit_stream(self, peer: str, protocol_id: str, ip_key: str | None) -> bytes | None:
+    def _admit_stream(self, peer: str, protocol_id: str, ip_key: str | None, conn: Any) -> bytes | None:
         """An error reply if ``peer`` may not open this stream now; None (stream counted) if it may.
 
-        ``ip_key`` is the stranger's address, counted too (fresh peer IDs are free to make).
+        ``ip_key`` is the stranger's address, counted too (fresh peer IDs are free to make). A
+        peer over its rate is not read again until its bucket has a token (yamux_guard).
         """
-        if not self._rate_limiter(protocol_id).allow(peer, trio.current_time()):
-            msg = f"more than {self._rate_limiter(protocol_id).rate_per_s:g} requests/s on {protocol_id}"
+        limiter, now = self._rate_limiter(protocol_id), trio.current_time()
+        if not limiter.allow(peer, now):
+            msg = f"more than {limiter.rate_per_s:g} requests/s on {protocol_id}"
             self._refuse("rate_limited", peer, protocol_id, msg)
+            hold_reads(conn, limiter.wait_s(peer, now))
             return encode_error("rate_limited", msg)
         if not self._streams.acquire(peer):
             msg = f"more than {self._streams.limit} concurrent streams"
@@ -312,7 +281,7 @@ class RequestResponse:
             ip = remote_ip_of(stream.muxed_conn)
             trusted = self.trusts(peer)
             ip_key = None if trusted else address_key(ip or "?")
-            reply: bytes | None = self._admit_stream(peer, protocol_id, ip_key)
+            reply: bytes | None = self._admit_stream(peer, protocol_id, ip_key, stream.muxed_conn)
             if reply is None:
                 counted = True
                 token = _REMOTE_IP.set(ip)
@@ -361,9 +330,9 @@ class RequestResponse:
         requester ends its side as soon as it has read the reply, so it is never reset here.
         """
         muxed = getattr(stream, "muxed_stream", None)
-        _discard_unread(muxed)
+        discard_unread(muxed)
         deadline = trio.current_time() + self.limits.end_grace_s
-        while not _peer_ended(muxed):
+        while not peer_ended(muxed):
             if trio.current_time() >= deadline:
                 await quiet_close(stream, reset=True)
                 break
@@ -372,13 +341,13 @@ class RequestResponse:
             events = getattr(getattr(muxed, "conn", None), "stream_events", None)
             sid = getattr(muxed, "stream_id", None)
             event = events.get(sid) if isinstance(events, dict) else None
-            with trio.move_on_at(deadline if event is not None else trio.current_time() + _END_POLL_S):
+            with trio.move_on_at(deadline if event is not None else trio.current_time() + END_POLL_S):
                 await (event.wait() if event is not None else trio.sleep_forever())
             if event is not None and event.is_set() and isinstance(events, dict) and events.get(sid) is event:
                 events[sid] = trio.Event()
-            _discard_unread(muxed)
-        _discard_unread(muxed)
-        await _forget(muxed)
+            discard_unread(muxed)
+        discard_unread(muxed)
+        await forget_stream(muxed)
 
     async def _read_body(self, stream: INetStream, length: int, charge: Charge) -> bytes:
         """The request body, each chunk charged as it arrives, at no less than the minimum rate.
@@ -452,6 +421,10 @@ class RequestResponse:
                 return None
             try:
                 return encode_ok(await handler(peer, request))
+            except RateLimited as exc:
+                self._refuse(exc.code, peer, protocol_id, exc.message)
+                hold_reads(stream.muxed_conn, exc.retry_after_s)
+                return encode_error(exc.code, exc.message)
             except Echo2Error as exc:
                 self._refuse(exc.code, peer, protocol_id, exc.message)
                 return encode_error(exc.code, exc.message)
