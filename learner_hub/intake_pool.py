@@ -53,6 +53,7 @@ from echo2.protocol.batchmessages import MAX_BATCH_RESULTS
 from echo2.protocol.errors import Echo2Error, ProtocolError
 
 from .config import ConfigError, HubConfig
+from .cpugate import CpuGate
 from .intake import Intake
 from .intake_check import Findings, error_from_wire, examine
 from .intake_worker import CheckContext, Reply, WorkerSpec, recv_exact
@@ -208,6 +209,9 @@ class IntakePool:
         self.checked = 0  # frames examined (whatever the finding)
         self.verdicts: Counter[str] = Counter()  # what check() answered: "ok" (findings) or the error code
         self._closed = False
+        # intake's CPU work on the hub's loop (examining here with workers 0; judging and
+        # accepting in batchintake.py either way) runs one task at a time, in slices
+        self.gate = CpuGate()
         self._workers = [_Worker(i, spec) for i in range(workers)]
 
     @property
@@ -238,15 +242,17 @@ class IntakePool:
         result the round trip was the largest part of the hub's own cost (~0.3 ms on the loop)."""
         if not self._workers:
             out: list[Checked | Echo2Error] = []
-            for raw in raws:
-                self.checked += 1
-                try:
-                    out.append(Checked(examine(raw, ctx.peer, ctx.tasks, self.spec.limits, self.decode_batch)))
-                except Echo2Error as exc:
-                    self.verdicts[exc.code] += 1
-                    out.append(exc)
-                else:
-                    self.verdicts["ok"] += 1
+            async with self.gate.held() as gate:  # the loop's lag: a batch is examined in slices (cpugate.py)
+                for raw in raws:
+                    self.checked += 1
+                    try:
+                        out.append(Checked(examine(raw, ctx.peer, ctx.tasks, self.spec.limits, self.decode_batch)))
+                    except Echo2Error as exc:
+                        self.verdicts[exc.code] += 1
+                        out.append(exc)
+                    else:
+                        self.verdicts["ok"] += 1
+                    await gate.tick()
             return out
         if self._closed:
             return [self._busy("stopping", "the hub is stopping") for _ in raws]
