@@ -10,7 +10,13 @@ import numpy as np
 import pytest
 
 from echo2.learner_hub.detok import BatchDecoder, ByteTable
-from echo2.learner_hub.intake_check import Limits, compact_rows, completions_problem, packed_find
+from echo2.learner_hub.intake_check import (
+    Limits,
+    compact_rows,
+    completions_problem,
+    packed_find,
+    packed_find_many,
+)
 from echo2.protocol.identity import Identity
 from echo2.protocol.packedresult import PackedCompletion, PackedResult, pack_ids, pack_logprobs
 
@@ -108,3 +114,22 @@ def test_the_table_decoder_decodes_joined_ids_as_it_decodes_them_apart() -> None
     # an id outside the table: both fall back to the tokenizer (None here: it raises alike)
     with pytest.raises(AttributeError):
         dec.decode_flat(np.array([VOCAB + 1], dtype="<i4"), np.array([0, 1], dtype=np.int64))
+
+
+@pytest.mark.parametrize("decode", DECODERS)
+def test_a_batch_checked_together_equals_each_result_checked_alone(decode: object) -> None:
+    """A node's batch is checked on one join of all its results' arrays; a broken result among
+    honest ones gets its own fault, and the honest ones their rows and texts, as alone."""
+    rng = random.Random(11)
+    for trial in range(150):
+        items = []
+        for _ in range(rng.randrange(1, 9)):
+            groups = tuple(rng.randrange(1, 4) for _ in range(rng.randrange(1, 3)))
+            comps = honest(rng, groups)
+            if rng.random() < 0.15:
+                comps = broken(rng, comps)
+            if rng.random() < 0.1:
+                rng.shuffle(comps)
+            items.append((groups, result(comps)))
+        got = packed_find_many(items, LIM, decode, STOP_ARR)  # type: ignore[arg-type]
+        assert got == [reference(g, r, decode) for g, r in items], trial
