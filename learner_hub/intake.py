@@ -162,6 +162,20 @@ def float32_array(data: bytes) -> array.array[float]:
     return a
 
 
+def int32_list(data: bytes) -> list[int]:
+    """Little-endian int32 bytes as a list of ints (``array('i')``: ~0.6 us for a small
+    completion's 64 ids where numpy's frombuffer + tolist took ~1.1, 8 of them a small result)."""
+    if _I4 is None:
+        return np.frombuffer(data, dtype="<i4").tolist()  # type: ignore[no-any-return]
+    a = array.array(_I4, data)
+    if sys.byteorder != "little":
+        a.byteswap()
+    return a.tolist()
+
+
+_I4 = next((code for code in ("i", "l") if array.array(code).itemsize == 4), None)
+
+
 def derive_finish_reason(token_ids: list[int], stop_ids: frozenset[int]) -> str:
     """How a completion ended, read off its tokens (see :func:`.intake_check.finish_of`)."""
     return finish_of(token_ids[-1] if token_ids else None, stop_ids)
@@ -172,8 +186,7 @@ def sample_of(s: CompactSample, version: int, peer: str) -> Sample:
     a packed result's received bytes ride along so the store keeps them as received instead of
     re-encoding 3 M numbers (7.5 s profiled)."""
     if s.packed:
-        ids: list[int] = np.frombuffer(s.ids, dtype="<i4").tolist()
-        return Sample(token_ids=ids, logprobs=float32_array(s.logprobs), reward=0.0, version=version, node_id=peer,
+        return Sample(token_ids=int32_list(s.ids), logprobs=float32_array(s.logprobs), reward=0.0, version=version, node_id=peer,
                       finish_reason=s.finish_reason, packed=(s.ids, s.logprobs))
     return Sample(token_ids=np.frombuffer(s.ids, dtype="<i8").tolist(), logprobs=np.frombuffer(s.logprobs, dtype="<f8").tolist(),
                   reward=0.0, version=version, node_id=peer, finish_reason=s.finish_reason)

@@ -133,3 +133,11 @@ def test_a_batch_checked_together_equals_each_result_checked_alone(decode: objec
             items.append((groups, result(comps)))
         got = packed_find_many(items, LIM, decode, STOP_ARR)  # type: ignore[arg-type]
         assert got == [reference(g, r, decode) for g, r in items], trial
+
+
+def test_int32_list_reads_little_endian_ids_as_numpy_does() -> None:
+    from echo2.learner_hub.intake import int32_list
+
+    for ids in ([], [0], [1, 2, 3], [-(2**31), 2**31 - 1, -1, 65_536]):
+        data = np.array(ids, dtype="<i4").tobytes()
+        assert int32_list(data) == np.frombuffer(data, dtype="<i4").tolist() == ids
