@@ -25,7 +25,9 @@ p99 and max are the hub's own ticker's, per phase. Set-up shortcuts, each stated
 nodes marked hub-timed and holding version 0 after admission (as in the in-process mode); a
 node's tasks in flight capped at max(2, B) so that B can be batched; the channel address handed
 to the clients (a node asks for it with CHANNEL on the control plane); the channel's per-IP
-handshake rate off (every simulated node dials from 127.0.0.1).
+handshake rate off (every simulated node dials from 127.0.0.1); its per-peer request rate
+1000/s (a simulated node answers its tasks at once: in a small fleet a working identity asked
+faster than a real node's 50/s).
 
 Task supply (changed with TaskBundle, issue 20): the pipeline (prompts_per_step) is N x max(2, B)
 groups, so every identity can hold its B tasks, as in a fleet whose nodes all work. It was
@@ -42,6 +44,9 @@ pipeline is 80,000 groups in flight (more hub RSS than before, and a longer set-
 ``ECHO2_INTAKE_PROFILE=FILE`` (environment): the hub's trio thread is profiled with cProfile on
 its own CPU time (``time.thread_time``, so time spent waiting for a contended core is not
 counted) through the results phase, and the stats are written to FILE (``python -m pstats``).
+``ECHO2_INTAKE_STEPS=FILE``: the hub's trio task steps longer than 3 ms (what makes the loop's
+lag) through the results phase, grouped by where each step ended (the await it stopped at: the
+stretch that ran is just before it), written to FILE as JSON.
 """
 
 from __future__ import annotations
@@ -57,7 +62,7 @@ import tempfile
 import time
 from collections import Counter
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 SMALL_COMPLETIONS = 8
 SMALL_TOKENS = 64
@@ -172,8 +177,10 @@ async def _hub_main(hub: Any, n: int, cmd: Any, out: Any) -> None:
     handlers = {WORK: hub.on_work, RESULT: hub.on_result, RESULTS: hub.on_results, HOLDS: hub.on_holds,
                 DECLINE: hub.on_decline, PAUSE: hub.on_pause}
     refusals: Counter[str] = Counter()
+    # a simulated node answers its tasks at once: a small fleet's few working identities would ask
+    # faster than a node's per-operation request rate (50/s), which no real node does
     server = ChannelServer(hub.identity, handlers, allow=lambda p: p in hub.nodes, handshakes_per_ip_per_s=None,
-                           refusals=refusals)
+                           refusals=refusals, default_rate=(1000.0, 2000.0))
 
     async def learner_stand_in() -> None:
         while True:
@@ -199,8 +206,19 @@ async def _hub_main(hub: Any, n: int, cmd: Any, out: Any) -> None:
 
         nursery.start_soon(run_lag, lag_scope, lag)
         profile_to, profiler, lags = os.environ.get("ECHO2_INTAKE_PROFILE"), None, 0
+        steps_to, steps = os.environ.get("ECHO2_INTAKE_STEPS"), None
         while True:
             what = await trio.to_thread.run_sync(cmd.get)
+            if what == "lag" and steps_to:
+                if steps is None:
+                    from echo2.bench.intake_steps import StepTimer
+
+                    steps = StepTimer()
+                    trio.lowlevel.add_instrument(cast(Any, steps))  # duck-typed Instrument
+                elif steps.on:
+                    trio.lowlevel.remove_instrument(cast(Any, steps))
+                    steps.on = False
+                    Path(steps_to).write_text(json.dumps(steps.report(), indent=1))
             if what == "lag" and profile_to:  # the 1st ends the idle phase, the 2nd the results phase
                 lags += 1
                 if lags == 1:
@@ -313,8 +331,10 @@ async def _client_main(role: str, info: dict[str, Any], seeds: list[int], batch:
             seq = 0
             while trio.current_time() < end:  # never cancelled mid-request: the phase ends between asks
                 seq += 1
-                # asks for what its batch still lacks, as a node asks for its free queue (taskloop)
-                tasks = await heartbeat(ch, node, seq, max(1, batch - len(finished)))
+                # asks for what its next batch still lacks, as a node asks for its free queue
+                # (taskloop): a full batch waiting for the sender is on its way, not held (counted
+                # as held, every ask after the first was for 1 task once the hub answered quickly)
+                tasks = await heartbeat(ch, node, seq, batch - len(finished) % batch)
                 finished.extend(result_for(node, t) for t in tasks)
                 state.dry = not tasks
                 if finished and (len(finished) >= batch or state.dry):
@@ -511,6 +531,7 @@ def run_live(args: argparse.Namespace) -> int:
                             "tasks per node (hub.toml tasks_per_node): max(2, batch); one prompt group per task",
                             "the channel address handed to the clients (CHANNEL on the control plane is what a node does)",
                             "the channel's per-IP handshake rate off (all clients dial from 127.0.0.1)",
+                            "the channel's per-peer request rate 1000/s (a simulated node answers its tasks at once)",
                             "the learner is a stand-in taking buffered rows every 0.5 s",
                             "prompts_per_step = max(N * tasks per node, 256): every identity can hold its share "
                             "(see 'Task supply' in the module's docstring)"],

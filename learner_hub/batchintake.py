@@ -107,16 +107,20 @@ async def accept_items(hub: Hub, peer: str, items: list[bytes]) -> list[ItemOutc
     out: list[ItemOutcome | None] = [None] * len(items)
     taken: list[_Taken] = []
     node: NodeInfo | None = None
-    for i, c in enumerate(checked):
-        if isinstance(c, Exception):
-            out[i] = c
-            continue
-        try:
-            node, verdict, now = _judge(hub, peer, c)
-        except Echo2Error as exc:
-            out[i] = exc
-            continue
-        taken.append(_Taken(i, c, verdict, now))
+    # one batch judged at a time (cpugate.py), and whole: with the loop let run between two items,
+    # a pump in between saw the node's slots freed one by one and woke its WORK ask with one task
+    # where a TaskBundle of all was due (tests/test_bench_intake.py: tasks_per_heartbeat 1.0)
+    async with hub.intake_pool.gate.held():
+        for i, c in enumerate(checked):
+            if isinstance(c, Exception):
+                out[i] = c
+                continue
+            try:
+                node, verdict, now = _judge(hub, peer, c)
+            except Echo2Error as exc:
+                out[i] = exc
+                continue
+            taken.append(_Taken(i, c, verdict, now))
     evals = [t for t in taken if hub.dispatcher.eval_handled(t.checked.findings.task_id)]
     plain = [t for t in taken if t not in evals]
     for t in evals:  # rare (a few per evaluation): the lone path, each with its own receipt
@@ -167,49 +171,52 @@ async def _accept(hub: Hub, peer: str, node: NodeInfo, plain: list[_Taken], out:
     stored). The scoring inside is bounded by reward_timeout_s."""
     with trio.CancelScope(shield=True):
         rows_of = await _score_all(hub, plain)
-        banned = peer in hub.fleet.banned  # banned while its rows were scored: drop_rows_of has run already
-        records = []
-        for k, t in enumerate(plain):
-            f, payload = t.checked.findings, t.checked.payload  # an intake worker encoded the same rows (or None)
-            if banned:
-                rows_of[k], payload = [], None
-            rows = rows_of[k]
-            records.append(Accepted(f.task_id, peer, f.version, f.tokens, f.n_completions, t.now,
-                                    encode_groups(rows) if payload is None else payload,
-                                    hub.fleet.task_price_micro(f.task_id, peer)))
-        # store: the results and their ledger entries in one durable transaction, queued before
-        # the rows can be trained (and marked so), committed before the node hears "accepted"
-        pending = hub.store.request(HubStore.record_accepted_many, records)
-        by_price: dict[int, list[int]] = {}
-        for k, rec in enumerate(records):
-            by_price.setdefault(rec.price_micro, []).append(k)
-        receipts = []
-        dropped = []
-        for price, ks in by_price.items():
-            for lo in range(0, len(ks), MAX_RECEIPT_TASKS):
-                chunk = ks[lo:lo + MAX_RECEIPT_TASKS]
-                for k in chunk:
-                    rec, rows = records[k], rows_of[k]
-                    hub.ledger.accept(peer, rec.rollouts, rec.tokens)
-                    hub.reputation.record(peer, Event.ACCEPTED)
-                    node.tasks_done, node.rollouts, node.tokens = (node.tasks_done + 1, node.rollouts + rec.rollouts,
-                                                                   node.tokens + rec.tokens)
-                    if rows:
-                        hub.trainer.add(rec.task_id, rows, rec.version)
-                    else:  # nothing the reward functions could score: nothing to train or restore
-                        hub.intake.book.buffered(rec.task_id, 0)
-                        dropped.append(rec.task_id)
-                # taken right after the ledger counted the chunk: the account it states includes it
-                at = max(records[k].received_at for k in chunk)
-                account = hub.ledger.row(peer, at)
-                assert account is not None  # ledger.accept just created it
-                receipts.append((chunk, make_batch_receipt(
-                    hub.identity.peer_id, peer, [records[k].task_id for k in chunk],
-                    rollouts=sum(records[k].rollouts for k in chunk), tokens=sum(records[k].tokens for k in chunk),
-                    price_micro=price, accepted_at=at, account=account)))
-        if dropped:
-            hub.store.submit(HubStore.drop_pending, dropped, "reward_excluded")
-        hub.outbox.feed()
+        # one batch's bookkeeping at a time (cpugate.py): 32 of them finishing their scoring in
+        # the same pass of the loop ran back to back; taken before the ban check below
+        async with hub.intake_pool.gate.held():
+            banned = peer in hub.fleet.banned  # banned while its rows were scored: drop_rows_of has run already
+            records = []
+            for k, t in enumerate(plain):
+                f, payload = t.checked.findings, t.checked.payload  # an intake worker encoded the same rows (or None)
+                if banned:
+                    rows_of[k], payload = [], None
+                rows = rows_of[k]
+                records.append(Accepted(f.task_id, peer, f.version, f.tokens, f.n_completions, t.now,
+                                        encode_groups(rows) if payload is None else payload,
+                                        hub.fleet.task_price_micro(f.task_id, peer)))
+            # store: the results and their ledger entries in one durable transaction, queued before
+            # the rows can be trained (and marked so), committed before the node hears "accepted"
+            pending = hub.store.request(HubStore.record_accepted_many, records)
+            by_price: dict[int, list[int]] = {}
+            for k, rec in enumerate(records):
+                by_price.setdefault(rec.price_micro, []).append(k)
+            receipts = []
+            dropped = []
+            for price, ks in by_price.items():
+                for lo in range(0, len(ks), MAX_RECEIPT_TASKS):
+                    chunk = ks[lo:lo + MAX_RECEIPT_TASKS]
+                    for k in chunk:
+                        rec, rows = records[k], rows_of[k]
+                        hub.ledger.accept(peer, rec.rollouts, rec.tokens)
+                        hub.reputation.record(peer, Event.ACCEPTED)
+                        node.tasks_done, node.rollouts, node.tokens = (node.tasks_done + 1, node.rollouts + rec.rollouts,
+                                                                       node.tokens + rec.tokens)
+                        if rows:
+                            hub.trainer.add(rec.task_id, rows, rec.version)
+                        else:  # nothing the reward functions could score: nothing to train or restore
+                            hub.intake.book.buffered(rec.task_id, 0)
+                            dropped.append(rec.task_id)
+                    # taken right after the ledger counted the chunk: the account it states includes it
+                    at = max(records[k].received_at for k in chunk)
+                    account = hub.ledger.row(peer, at)
+                    assert account is not None  # ledger.accept just created it
+                    receipts.append((chunk, make_batch_receipt(
+                        hub.identity.peer_id, peer, [records[k].task_id for k in chunk],
+                        rollouts=sum(records[k].rollouts for k in chunk), tokens=sum(records[k].tokens for k in chunk),
+                        price_micro=price, accepted_at=at, account=account)))
+            if dropped:
+                hub.store.submit(HubStore.drop_pending, dropped, "reward_excluded")
+            hub.outbox.feed()
     try:
         await pending.wait()
     except Exception as exc:

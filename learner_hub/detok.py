@@ -163,7 +163,13 @@ class ByteTable:
         the tokenizer refuses or drops those, so the caller falls back to it)."""
         if not seqs:
             return []
-        ids, bounds = concat_ids(seqs)
+        return self.decode_flat(*concat_ids(seqs))
+
+    def decode_flat(self, ids: npt.NDArray[np.integer[Any]], bounds: npt.NDArray[np.int64]) -> list[str]:
+        """:meth:`decode_batch` of sequences already joined: ``ids[bounds[k]:bounds[k + 1]]`` is
+        the k-th (intake joins a packed result's ids once for its checks and texts alike)."""
+        if len(bounds) < 2:
+            return []
         if ids.size and (int(ids.min()) < 0 or int(ids.max()) >= self.vocab_size):
             raise ValueError("token id outside the table")
         data, byte_bounds = self.gather(ids, bounds)
@@ -278,6 +284,16 @@ class BatchDecoder:
     @property
     def kind(self) -> str:
         return "table" if self.table is not None else "tokenizer"
+
+    def decode_flat(self, ids: npt.NDArray[np.integer[Any]], bounds: npt.NDArray[np.int64]) -> list[str]:
+        """Each ``ids[bounds[k]:bounds[k + 1]]``'s text, as :meth:`__call__` gives for the
+        sequences apart (the packed intake's path: its ids are joined once, intake_check.py)."""
+        if self.table is not None:
+            try:
+                return self.table.decode_flat(ids, bounds)
+            except (ValueError, OverflowError, TypeError):
+                pass  # an id out of range: the tokenizer's own answer (or error), as __call__
+        return self([ids[a:b] for a, b in itertools.pairwise(bounds.tolist())])
 
     def __call__(self, seqs: Sequence[IdSeq]) -> list[str]:
         if self.table is not None:

@@ -40,7 +40,7 @@ import msgspec
 from echo2.protocol.errors import Echo2Error
 
 from .intake import sample_of
-from .intake_check import Findings, Limits, TaskView, error_to_wire, examine
+from .intake_check import Findings, Limits, TaskView, error_to_wire, find_many, open_result
 from .recipe import PromptItem
 from .rewards import (
     Batch,
@@ -186,19 +186,23 @@ def handle_many(raws: Sequence[bytes], req: CheckContext, lim: Limits,
     fails on it fails for all of them; its failures ride on the first scored item's reply)."""
     replies: list[Reply] = []
     todo: list[tuple[int, Findings, list[Group]]] = []
-    for raw in raws:
+    opened: list[tuple[int, Any]] = []
+    for i, raw in enumerate(raws):
         try:
-            f = examine(raw, req.peer, req.tasks, lim, decode_batch)
+            opened.append((i, open_result(raw, req.peer)))
         except Echo2Error as exc:
             replies.append(Reply(error=error_to_wire(exc)))
             continue
-        replies.append(Reply(findings=f))
+        replies.append(Reply())
+    # the opened ones checked together (numpy's per-call costs once per share of a batch)
+    for (i, _), f in zip(opened, find_many([v for _, v in opened], req.peer, req.tasks, lim, decode_batch), strict=True):
+        replies[i] = Reply(findings=f)
         if rewards is None or not req.score or f.samples is None or f.texts is None:
             continue
         task = req.tasks[f.task_id]
         # batch_of reads token ids and finish reasons off Group/Sample rows: built here from the arrays
         groups = [Group(list(p), [sample_of(s, f.version, req.peer) for s in ss]) for p, ss in zip(task.prompts, f.samples, strict=True)]
-        todo.append((len(replies) - 1, f, groups))
+        todo.append((i, f, groups))
     if not todo or rewards is None:
         return replies
     parts = []
