@@ -86,6 +86,9 @@ log = logging.getLogger(__name__)
 HOLDS_PROOF_S = 60.0
 #: heartbeats the hub checks or answers in one pass of its loop at most (~0.3-0.5 ms each)
 WORK_GATE = 8
+#: tasks a pump issues in one pass of the loop at most while the housekeeping runs (~40-70 us each:
+#: a few ms); the rest on the next passes (Outbox.pump_slice)
+PUMP_SLICE = 64
 
 
 class Hub:
@@ -152,6 +155,8 @@ class Hub:
         # node waiting for one, and 1,000 heartbeats at once ran in one pass of the loop (544
         # seals in one batch: 170 ms of CPU, the loop's lag, `echo2 bench intake` at 10,000 nodes)
         self.work_gate = trio.Semaphore(WORK_GATE)
+        self._more_to_pump = trio.Event()
+        self.outbox.more_to_pump = lambda: self._more_to_pump.set()
         self.curves = HubCurves()  # the status page's curves (curves.py)
         self.status_snapshot: StatusSnapshot | None = None  # the last status written (the HTTP server serves it)
         self.status_nodes = NodeFragments()  # status.json's per-node entries, re-encoded where they changed
@@ -412,6 +417,23 @@ class Hub:
 
     # --- loops -----------------------------------------------------------------------------------
     async def housekeeping(self) -> None:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(self.issue_slices)
+            await self._housekeeping()
+
+    async def issue_slices(self) -> None:
+        """While it runs, a pump issues PUMP_SLICE tasks at most and this pumps the rest, a slice
+        per pass of the loop (each wait on the event is a checkpoint)."""
+        self.outbox.pump_slice = PUMP_SLICE
+        try:
+            while True:
+                await self._more_to_pump.wait()
+                self._more_to_pump = trio.Event()
+                self._pump()
+        finally:
+            self.outbox.pump_slice = None
+
+    async def _housekeeping(self) -> None:
         tick = 0
         while True:
             await trio.sleep(1.0)
