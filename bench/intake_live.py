@@ -142,6 +142,7 @@ def _hub_proc(n: int, batch: int, workdir: str, cmd: Any, out: Any, workers: int
     # small results (one group of 8 each): a node timed fast would otherwise get tasks of several
     # groups once the queue is deep, and "per result" would measure larger results
     hub.dispatcher.config = dataclasses.replace(hub.dispatcher.config, max_prompts_per_task=1)
+    hub.freeze_gc = True  # as run_hub does
     gc.freeze()
     try:
         trio.run(_hub_main, hub, n, cmd, out)

@@ -288,13 +288,13 @@ class Dispatcher:
         return st.rate if ref is None else min(st.rate, ref)
 
     # ---- decisions -------------------------------------------------------------------------
-    def next_tasks(self, now: float, learner_version: int) -> list[TaskAssignment]:
+    def next_tasks(self, now: float, learner_version: int, limit: int | None = None) -> list[TaskAssignment]:
         """Fill every active node up to ``max_in_flight_per_node`` tasks, fastest node first, each
         task sized so it takes about ``target_task_s`` at the node's observed rate; a node's task
         never takes more than its rate-weighted share of the queue, and nodes on probation share
-        ``probation_max_in_flight`` slots (at least one per timed node). Read off the indexes,
-        so its cost follows the tasks issued, not the fleet (:func:`.dispatch_index.plan`)."""
-        return plan(self, now, learner_version)
+        ``probation_max_in_flight`` slots (at least one per timed node). Read off the indexes, so
+        its cost follows the tasks issued (:func:`.dispatch_index.plan`); ``limit``: in slices."""
+        return plan(self, now, learner_version, limit)
 
     def next_eval_tasks(self, now: float, min_version: int, holders: Iterable[str]) -> list[TaskAssignment]:
         """Tasks from the eval queue for the active nodes in ``holders`` (those holding the

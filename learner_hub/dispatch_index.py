@@ -58,6 +58,8 @@ class NodeIndex:
         self._active_timed_sum = 0
         self.claimed_active: set[str] = set()
         self._indexed: dict[str, tuple[float, bool, bool, bool]] = {}  # id -> (rate, claimed, active, free)
+        # where a bounded plan() stopped: (last key walked, queue length of the shares, progress)
+        self.resume: tuple[tuple[float, str], int, bool] | None = None
 
     def cap(self, st: _Node) -> int:
         return 1 if st.claimed else self.max_in_flight
@@ -230,17 +232,28 @@ class HeldVersions:
         return [p for v in range(lo, hi) for p in self._by.get(v, ())]
 
 
-def plan(d: Dispatcher, now: float, learner_version: int) -> list[TaskAssignment]:
+_ROUND_START = (-math.inf, "")  # before every key (-rate, id): rates are finite
+
+
+def plan(d: Dispatcher, now: float, learner_version: int, limit: int | None = None) -> list[TaskAssignment]:
     """``Dispatcher.next_tasks``: the same decisions as walking every active node in order
     ``(-weight, id)`` round by round, but walking only the timed nodes with a free slot (from the
     index) merged with the active nodes on probation.
 
     A round hands each node in order one task while the queue lasts; the next round starts over
     with the nodes still free. The index is re-read between rounds, never changed during one.
+
+    ``limit``: at most that many tasks; the walk stops there and the next call resumes it where it
+    stopped (``NodeIndex.resume``: the last key walked, the queue's length the shares were cut from,
+    whether the round had handed out anything), so a chain of bounded calls makes the decisions one
+    unbounded call makes. Why bounded: the pump after a learner step or a batch of results issued
+    thousands of tasks in one step of the hub's loop (~240 ms at 10,000 nodes, the loop's lag p99 in
+    `echo2 bench intake`); the hub issues them a slice per pass of its loop instead.
     """
     cfg, idx = d.config, d.index
     out: list[TaskAssignment] = []
     if not d.queue:
+        idx.resume = None
         return out
     min_version = max(0, learner_version - cfg.staleness)
     ref = idx.reference_rate()
@@ -255,22 +268,32 @@ def plan(d: Dispatcher, now: float, learner_version: int) -> list[TaskAssignment
     probation_slots = slots - sum(len(st.in_flight) for _, st, _ in claimed)
     untimed = sorted((w for _, _, w in claimed), reverse=True)
     total_rate = idx.active_timed_sum + sum(untimed[:slots]) or 1.0
-    queued = len(d.queue)
+    resume, idx.resume = idx.resume, None
+    queued = len(d.queue) if resume is None else resume[1]
     progress = True
     while d.queue and progress:
         progress = False
         timed, touched = idx.free_timed, []
         i = j = 0
+        last: tuple[float, str] = _ROUND_START
+        if resume is not None:  # the rest of a round an earlier call stopped in
+            last, progress = resume[0], resume[2]
+            i, j = bisect.bisect_right(timed, last), bisect.bisect_right(claimed, last, key=lambda c: c[0])
+            resume = None
         while d.queue:
+            if limit is not None and len(out) >= limit:
+                idx.resume = (last, queued, progress)
+                break
             if j < len(claimed) and (i >= len(timed) or claimed[j][0] < timed[i]):
-                _, st, w = claimed[j]
+                last, st, w = claimed[j]
                 j += 1
                 if st.in_flight or probation_slots <= 0:
                     continue
                 probation_slots -= 1
                 share = min(max(1, math.ceil(queued * w / total_rate)), cfg.probation_groups)
             elif i < len(timed):
-                st = d.nodes[timed[i][1]]
+                last = timed[i]
+                st = d.nodes[last[1]]
                 i += 1
                 if len(st.in_flight) >= cfg.max_in_flight_per_node:
                     touched.append(st)  # filled behind the index's back: re-indexed below
@@ -283,4 +306,6 @@ def plan(d: Dispatcher, now: float, learner_version: int) -> list[TaskAssignment
             progress = True
         for st in touched:
             idx.update(st)
+        if idx.resume is not None:
+            break
     return out

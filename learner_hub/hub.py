@@ -56,6 +56,7 @@ from .detok import BatchDecoder
 from .dispatch import DispatchConfig, Dispatcher
 from .evaluation import Evaluator
 from .fleet import Fleet, NodeInfo
+from .gcpolicy import freeze_survivors
 from .hubstatus import hub_status, write_status_file, write_status_in_chunks
 from .intake import Accept, Intake, TaskParams
 from .intake_check import Findings
@@ -86,6 +87,9 @@ log = logging.getLogger(__name__)
 HOLDS_PROOF_S = 60.0
 #: heartbeats the hub checks or answers in one pass of its loop at most (~0.3-0.5 ms each)
 WORK_GATE = 8
+#: tasks a pump issues in one pass of the loop at most while the housekeeping runs (~40-70 us each:
+#: a few ms); the rest on the next passes (Outbox.pump_slice)
+PUMP_SLICE = 64
 
 
 class Hub:
@@ -152,6 +156,9 @@ class Hub:
         # node waiting for one, and 1,000 heartbeats at once ran in one pass of the loop (544
         # seals in one batch: 170 ms of CPU, the loop's lag, `echo2 bench intake` at 10,000 nodes)
         self.work_gate = trio.Semaphore(WORK_GATE)
+        self.freeze_gc = False  # run_hub: survivors frozen once a second while it serves (gcpolicy.py)
+        self._more_to_pump = trio.Event()
+        self.outbox.more_to_pump = lambda: self._more_to_pump.set()
         self.curves = HubCurves()  # the status page's curves (curves.py)
         self.status_snapshot: StatusSnapshot | None = None  # the last status written (the HTTP server serves it)
         self.status_nodes = NodeFragments()  # status.json's per-node entries, re-encoded where they changed
@@ -257,6 +264,8 @@ class Hub:
                 # a node with a task waiting takes it: what the pump would hand out is decided by the
                 # results, declines and steps that change it, each pumping (skipped: ~60 us a heartbeat)
                 self._pump()
+            if node.mailbox:  # answered on the same turn: a second turn cost a pass of the loop more
+                return self.outbox.seal_some(node.mailbox, hb.queue_free)
         with trio.move_on_after(WORK_POLL_S):
             while not node.mailbox:
                 node.wakeup = trio.Event()
@@ -412,6 +421,25 @@ class Hub:
 
     # --- loops -----------------------------------------------------------------------------------
     async def housekeeping(self) -> None:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(self.issue_slices)
+            if self.freeze_gc:
+                nursery.start_soon(freeze_survivors)
+            await self._housekeeping()
+
+    async def issue_slices(self) -> None:
+        """While it runs, a pump issues PUMP_SLICE tasks at most and this pumps the rest, a slice
+        per pass of the loop (each wait on the event is a checkpoint)."""
+        self.outbox.pump_slice = PUMP_SLICE
+        try:
+            while True:
+                await self._more_to_pump.wait()
+                self._more_to_pump = trio.Event()
+                self._pump()
+        finally:
+            self.outbox.pump_slice = None
+
+    async def _housekeeping(self) -> None:
         tick = 0
         while True:
             await trio.sleep(1.0)
@@ -475,6 +503,7 @@ class Hub:
 def run_hub(cfg: HubConfig) -> int:
     os.umask(0o077)  # key, database, checkpoints: the operator's only
     hub = Hub(cfg)
+    hub.freeze_gc = True
     # Measured: full collections over start-up's objects (torch, the model, libp2p) stalled the loop
     # ~260 ms in the demo; they live all run long, so the collector need never scan them again.
     gc.freeze()

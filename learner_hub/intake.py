@@ -259,11 +259,12 @@ class Intake:
         self._stop_arr = np.array(sorted(self.stop_ids), dtype=np.int64)
 
     # --- tasks out ---------------------------------------------------------------------------------
-    def issue(self, now: float, consume_step: int, nodes: Container[str], seed: Callable[[], int]) -> list[Task]:
-        """Tasks for the nodes in ``nodes`` (those present and fresh enough), to sign and send.
-        ``nodes`` is only asked ``in``: copying the hub's 10,000 node ids into a set on every
-        message cost ~0.5 ms (`echo2 bench intake`)."""
-        return self._tasks(self.dispatcher.next_tasks(now, consume_step), nodes, seed, self.params)
+    def issue(self, now: float, consume_step: int, nodes: Container[str], seed: Callable[[], int],
+              limit: int | None = None) -> list[Task]:
+        """Tasks for the nodes in ``nodes`` (those present and fresh enough), to sign and send; at
+        most ``limit`` (Dispatcher.next_tasks). ``nodes`` is only asked ``in``: copying the hub's
+        10,000 node ids into a set on every message cost ~0.5 ms (`echo2 bench intake`)."""
+        return self._tasks(self.dispatcher.next_tasks(now, consume_step, limit), nodes, seed, self.params)
 
     def issue_eval(
         self, now: float, version: int, holders: Iterable[str], seed: Callable[[], int], params: TaskParams

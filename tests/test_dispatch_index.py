@@ -153,3 +153,40 @@ def test_held_versions_find_the_nodes_a_moving_bound_passes(seed: int) -> None:
         hi = lo + rng.choice([0, 1, 2, 5, 40])
         assert sorted(idx.between(lo, hi)) == sorted(q for q, w in ref.items() if lo <= w < hi)
         assert len(idx) == len(ref)
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_bounded_plans_make_the_decisions_of_one_unbounded_plan(seed: int) -> None:
+    """The hub issues tasks a slice per pass of its loop (Outbox.pump_slice): a chain of
+    next_tasks(limit=k) calls, each resuming where the last stopped, hands out the same tasks, in
+    the same order and with the same shares, as one call without a limit."""
+    rng = random.Random(seed)
+    cfg = DispatchConfig(staleness=1, target_task_s=rng.choice([1.0, 4.0, 20.0]), min_deadline_s=5.0,
+                         max_deadline_s=60.0, probation_max_in_flight=rng.choice([1, 4]),
+                         max_in_flight_per_node=rng.choice([1, 2, 3]))
+    whole, sliced = Dispatcher(cfg, task_id_prefix="t"), Dispatcher(cfg, task_id_prefix="t")
+    for i in range(rng.randrange(5, 60)):
+        rate, claimed = rng.choice([0.25, 0.5, 1.0, 2.0, 4.0, 8.0]), rng.random() < 0.3
+        for d in (whole, sliced):
+            d.add_node(f"n{i}", rate, claimed=claimed)
+    limit = rng.choice([1, 2, 3, 7, 16])
+    for _ in range(3):  # a few refills, each planned whole or in a chain of slices
+        gs = [PromptGroup(f"p{rng.random()}", (1, 2), rng.choice([1, 2, 4])) for _ in range(rng.randrange(1, 200))]
+        for d in (whole, sliced):
+            d.submit(gs)
+        want = whole.next_tasks(0.0, 0)
+        got: list[TaskAssignment] = []
+        calls = 0
+        while True:
+            part = sliced.next_tasks(0.0, 0, limit=limit)
+            assert len(part) <= limit
+            got += part
+            calls += 1
+            if len(part) < limit:
+                break
+        assert view(got) == view(want)
+        assert calls >= len(want) // limit
+        assert list(sliced.queue) == list(whole.queue)
+        for t in want[: len(want) // 2]:  # some finish before the next refill
+            for d in (whole, sliced):
+                d.on_result(1.0, t.task_id, t.node_id, 0, 0, t.n_rollouts)

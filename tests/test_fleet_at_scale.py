@@ -18,7 +18,7 @@ import trio.abc
 
 from echo2.learner_hub import fleet
 from echo2.learner_hub.config import HubConfig
-from echo2.learner_hub.hub import WORK_GATE, Hub
+from echo2.learner_hub.hub import PUMP_SLICE, WORK_GATE, Hub
 from echo2.protocol import envelope
 from echo2.protocol.identity import Identity
 from echo2.protocol.messages import Announce, Heartbeat, Task
@@ -224,6 +224,50 @@ def test_heartbeats_are_answered_a_few_per_pass_of_the_loop(big: tuple[Hub, list
     trio.run(main)
     assert len(got) == 64 and seals.most <= WORK_GATE, seals.most
     assert all(isinstance(envelope.open_envelope(g, Task, replay=None).message, Task) for g in got)
+
+
+def test_a_pump_issues_a_slice_of_tasks_per_pass_of_the_loop(big: tuple[Hub, list[Identity]],
+                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    """A pump with thousands of groups queued and nodes free issued them all in one step of the
+    loop (~240 ms at 10,000 nodes); while the housekeeping runs (Hub.issue_slices) a pump issues
+    PUMP_SLICE at most and the rest follows a slice per pass, until every queued group is out."""
+    hub, idents = big
+    monkeypatch.setattr(hub.fleet, "active", None)
+    for ident in idents:
+        hub.nodes[ident.peer_id].mailbox.clear()
+        hub.nodes[ident.peer_id].held_version = max(hub.nodes[ident.peer_id].held_version, 0)
+    hub.outbox.refill()
+    queued = len(hub.dispatcher.queue)
+    assert queued > 4 * PUMP_SLICE
+    issued = _count_calls(monkeypatch, hub.fleet, "task_issued")
+
+    class IssuedPerPass(_SealsPerPass):
+        total = 0
+
+        def before_io_wait(self, timeout: float) -> None:
+            self.now, issued[0] = issued[0], 0
+            self.total += self.now
+            super().before_io_wait(timeout)
+
+    per_pass = IssuedPerPass()
+
+    async def main() -> None:
+        trio.lowlevel.add_instrument(per_pass)
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(hub.issue_slices)
+            await trio.sleep(0.01)
+            hub._pump()
+            with trio.fail_after(60):
+                while hub.dispatcher.queue:
+                    await trio.sleep(0)
+            nursery.cancel_scope.cancel()
+        trio.lowlevel.remove_instrument(per_pass)
+        per_pass.before_io_wait(0.0)  # the last pass
+
+    trio.run(main)
+    assert hub.outbox.pump_slice is None  # unbounded again once the slices' task is gone
+    assert not hub.dispatcher.queue and 0 < per_pass.most <= PUMP_SLICE, per_pass.most
+    assert per_pass.total >= queued // 8 and per_pass.total > 4 * PUMP_SLICE  # one group or more a task
 
 
 def test_closed_tasks_issue_prices_are_dropped_in_bulk() -> None:

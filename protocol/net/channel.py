@@ -19,14 +19,18 @@ with :class:`TransportError` and the caller falls back to the control plane.
 from __future__ import annotations
 
 import collections
+import fcntl
 import logging
+import socket
+import sys
+import termios
 from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
 import trio
 
 from ..channel import KIND_REPLY, KIND_REQUEST, OP_BY_PROTOCOL, RequestIds, pack_key, unpack_key
-from ..dataframe import FrameType
+from ..dataframe import HEADER, HEADER_SIZE, Frame, FrameType
 from ..errors import DecodeError, Echo2Error, Timeout, TooLarge, TransportError
 from ..framing import MAX_ERROR_PAYLOAD, STATUS_OK, decode_response, encode_error, encode_ok
 from ..identity import Identity
@@ -42,6 +46,40 @@ Handler = Callable[[str, bytes], Awaitable[bytes]]
 MAX_INFLIGHT_PER_PEER = 16
 #: reply bodies: a Task is at most 8 MiB (wire.MAX_TASK), a BatchAck far less
 MAX_REPLY = 8 * 1024 * 1024 + 64 * 1024
+#: frames read (and their requests started) per pass of the trio loop, over all connections. Why:
+#: 1,000 nodes whose heartbeats land together were 1,000 reads in one pass (35-55 ms of loop, the
+#: heartbeat phase of `echo2 bench intake` at 10,000 nodes, trio instrument); a turn is held only
+#: while a frame already in the kernel's buffer is read, never while a peer is waited for
+READS_PER_PASS = 16
+#: handshakes' signatures and checks per pass (~100 us each): 1,000 nodes dialing at once (a hub
+#: restart, the bench's heartbeat phase) were hundreds of them in one pass (40-55 ms of loop)
+HANDSHAKES_PER_PASS = 8
+
+
+def frame_ready(head: bytes, fd: int) -> bool:
+    """Whether a whole data-plane frame is in the kernel buffer of socket ``fd`` already, ``head``
+    being what a peek at its first HEADER_SIZE bytes got: as many bytes as that header announces."""
+    if len(head) < HEADER_SIZE:
+        return False
+    buf = bytearray(4)
+    try:
+        fcntl.ioctl(fd, termios.FIONREAD, buf)
+    except OSError:
+        return False
+    return int.from_bytes(buf, sys.byteorder) >= HEADER_SIZE + HEADER.unpack(head)[2]
+
+
+def _peek(sock: trio.socket.SocketType) -> bytes:
+    """Up to a header's bytes of what ``sock`` holds, taking none and never waiting: through
+    trio's socket object's own stdlib socket where it has one (a peek through trio's async recv
+    is a pass of the loop per frame, ~+0.1 ms of hub CPU a heartbeat measured), else nothing."""
+    raw = getattr(sock, "_sock", None)
+    if not isinstance(raw, socket.socket):
+        return b""  # the reader then waits for bytes and reads without a turn
+    try:
+        return raw.recv(HEADER_SIZE, socket.MSG_PEEK | socket.MSG_DONTWAIT)
+    except OSError:  # BlockingIOError (nothing yet) among them; the receive says what is wrong
+        return b""
 
 
 class ChannelServer:
@@ -64,6 +102,7 @@ class ChannelServer:
         max_connections: int = 16_384,
         handshakes_per_ip_per_s: float | None = 20.0,
         refusals: collections.Counter[str] | None = None,
+        reads_per_pass: int = READS_PER_PASS,
     ) -> None:
         unknown = set(handlers) - set(OP_BY_PROTOCOL)
         if unknown:
@@ -75,6 +114,7 @@ class ChannelServer:
         self.requests_served = 0
         self._rates = {p: KeyedRateLimiter(*(rate or {}).get(p, default_rate), max_keys=100_000) for p in self.handlers}
         self._held = ByteBudget(max_held_per_peer, max_held_total)
+        self._turns = trio.Semaphore(reads_per_pass)
         self._log = LogThrottle(log)
         largest = max((OP_BY_PROTOCOL[p].max_request for p in self.handlers
                        if OP_BY_PROTOCOL[p].frame is FrameType.MESSAGE), default=0)
@@ -83,7 +123,7 @@ class ChannelServer:
         self.server = DataPlaneServer(
             identity, self._serve, host=host, port=port, allow=allow, max_connections=max_connections,
             max_connections_per_ip=max_connections, max_connections_per_peer=2,
-            handshakes_per_ip_per_s=handshakes_per_ip_per_s,
+            handshakes_per_ip_per_s=handshakes_per_ip_per_s, handshake_turns=trio.Semaphore(HANDSHAKES_PER_PASS),
             # the frame limits are the largest operation of each kind: checked from the header
             max_sizes={FrameType.MESSAGE: largest, FrameType.REQUEST: smallest, FrameType.CHUNK: 0},
         )
@@ -119,7 +159,7 @@ class ChannelServer:
     async def _read_requests(self, conn: DataConnection, nursery: trio.Nursery) -> None:
         peer = conn.peer_id
         inflight = [0]
-        async for frame in conn:  # ends at the peer's BYE; a dead peer raises (connection aborted)
+        while (frame := await self._next_frame(conn)) is not None:  # None: BYE; a dead peer raises
             key = unpack_key(frame.key)  # not one of ours: the connection is dropped
             if key.kind != KIND_REQUEST or frame.type is not key.op.frame:
                 raise DecodeError(f"channel: a {frame.type.name} frame where a request was expected")
@@ -145,6 +185,33 @@ class ChannelServer:
             assert handler is not None
             inflight[0] += 1
             nursery.start_soon(self._answer, conn, handler, key.op.code, key.rid, bytes(body), charge, inflight)
+
+    async def _next_frame(self, conn: DataConnection) -> Frame | None:
+        """The next request frame, read on one of the server's turns when it is all there already
+        (a partial one is read without: the peer is waited for), or None at the peer's BYE.
+        Costs no pass of the loop of its own: the header is peeked without a checkpoint, and a
+        free turn is taken without one (holding it bounds the readers per pass: each read of a
+        frame is a checkpoint)."""
+        sock = conn.socket
+        head = _peek(sock)
+        if len(head) < HEADER_SIZE:
+            try:
+                await trio.lowlevel.wait_readable(sock.fileno())
+            except (OSError, trio.ClosedResourceError):
+                pass  # the receive says what is wrong
+            head = _peek(sock)
+        if not frame_ready(head, sock.fileno()):
+            frame = await conn.receive()
+        else:
+            try:
+                self._turns.acquire_nowait()
+            except trio.WouldBlock:
+                await self._turns.acquire()
+            try:
+                frame = await conn.receive()
+            finally:
+                self._turns.release()
+        return None if frame.type is FrameType.BYE else frame
 
     async def _answer(self, conn: DataConnection, handler: Handler, op: int, rid: int, body: bytes, charge: Charge,
                       inflight: list[int]) -> None:

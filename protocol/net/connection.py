@@ -174,6 +174,10 @@ class DataConnection:
     def __repr__(self) -> str:
         return f"DataConnection(peer={self.peer_id}, dialer={self.is_dialer})"
 
+    @property
+    def socket(self) -> trio.socket.SocketType:
+        return self._sock
+
     def remote_ip(self) -> str | None:
         """The IP this connection comes from as seen here (an observed address, A10), or None."""
         try:

@@ -82,6 +82,17 @@ async def _send(stream: trio.SocketStream, data: bytes) -> None:
         raise HandshakeRefused("eof", f"connection lost during handshake: {exc!r}") from exc
 
 
+class _NoTurn:
+    async def __aenter__(self) -> None:
+        return None
+
+    async def __aexit__(self, *exc: object) -> None:
+        return None
+
+
+_NO_TURN = _NoTurn()
+
+
 async def _handshake(
     stream: trio.SocketStream,
     identity: Identity,
@@ -89,8 +100,10 @@ async def _handshake(
     dialer: bool,
     expected_peer_id: str | None,
     allow: Callable[[str], bool] | None,
+    turns: trio.Semaphore | None = None,
 ) -> tuple[str, bytes]:
-    """Run the mutual handshake; returns the peer's ``(peer_id, public_key)``."""
+    """Run the mutual handshake; returns the peer's ``(peer_id, public_key)``. ``turns``: the
+    signature and its check (~100 us) each on a turn of it (never held while the peer is awaited)."""
     my_key = identity.public_bytes
     my_nonce = os.urandom(32)
     await _send(stream, encode_hello(my_key, my_nonce))
@@ -108,10 +121,13 @@ async def _handshake(
     else:
         signed = transcript(peer_nonce, my_nonce, peer_key, my_key)
     my_role, peer_role = (ROLE_DIALER, ROLE_LISTENER) if dialer else (ROLE_LISTENER, ROLE_DIALER)
-    await _send(stream, identity.sign(signed + my_role))
+    async with turns or _NO_TURN:
+        mine = identity.sign(signed + my_role)
+    await _send(stream, mine)
     peer_sig = await _recv_exact(stream, SIG_SIZE, "signature")
     try:
-        verify_signature(peer_key, peer_sig, signed + peer_role)
+        async with turns or _NO_TURN:
+            verify_signature(peer_key, peer_sig, signed + peer_role)
     except BadSignature as exc:
         raise HandshakeRefused("bad_signature", f"peer claiming to be {peer_id} did not prove it") from exc
     if dialer:
@@ -236,8 +252,10 @@ class DataPlaneServer:
         max_buffered_per_ip: int = 256 * 1024 * 1024,
         max_buffered_total: int = 512 * 1024 * 1024,
         reuse_port: bool = False,
+        handshake_turns: trio.Semaphore | None = None,
     ) -> None:
         self.identity = identity
+        self.handshake_turns = handshake_turns  # bounds the handshakes' signatures per pass of the loop
         self.handler = handler
         self.host = host
         self.port = port
@@ -348,7 +366,7 @@ class DataPlaneServer:
         try:
             with trio.fail_after(self.handshake_timeout_s):
                 peer_id, peer_key = await _handshake(
-                    stream, self.identity, dialer=False, expected_peer_id=None, allow=allow
+                    stream, self.identity, dialer=False, expected_peer_id=None, allow=allow, turns=self.handshake_turns
                 )
         except trio.TooSlowError:
             self._refuse("handshake.timeout", "data-plane handshake from %s timed out", remote)
