@@ -58,7 +58,6 @@ def test_requests_landing_together_are_read_a_few_per_pass() -> None:
         assert await ch.request(WORK, b"hello", max_response=100, timeout_s=10.0) == b"ok"
 
     async def main() -> None:
-        # a RESULT handler too: the replies are MESSAGE frames, sized by the largest MESSAGE operation
         server = ChannelServer(hub, {WORK: handler, RESULT: handler}, allow=lambda p: True, handshakes_per_ip_per_s=None,
                                reads_per_pass=per_pass)
         async with trio.open_nursery() as nursery:
@@ -80,3 +79,25 @@ def test_requests_landing_together_are_read_a_few_per_pass() -> None:
 
     trio.run(main)
     assert calls.total == k and 0 < calls.most <= per_pass, calls.most
+
+
+def test_a_server_taking_only_small_requests_still_replies() -> None:
+    """Replies are MESSAGE frames; a server with no MESSAGE-sized operation accepts none, and used
+    to refuse to send its own replies too (its receive limit of 0 applied to what it sent)."""
+    hub = Identity.generate()
+
+    async def handler(peer: str, data: bytes) -> bytes:
+        return b"ok" * 100
+
+    async def main() -> None:
+        server = ChannelServer(hub, {WORK: handler}, allow=lambda p: True, handshakes_per_ip_per_s=None)
+        async with trio.open_nursery() as nursery:
+            await nursery.start(server.serve)
+            ch = await ChannelClient.open(server.addr, Identity.generate(), hub.peer_id)
+            nursery.start_soon(ch.run)
+            with trio.fail_after(10):
+                assert await ch.request(WORK, b"hello", max_response=1000, timeout_s=5.0) == b"ok" * 100
+            await ch.aclose()
+            nursery.cancel_scope.cancel()
+
+    trio.run(main)

@@ -148,15 +148,13 @@ class DataConnection:
         self._stream = stream
         self._rx_accounts = rx_accounts or []
         self._rx_charge: Charge | None = None  # what the frame being received holds
-        self._sock = stream.socket
+        self._sock = self.socket = stream.socket  # public: a server may peek at what has arrived
         self.peer_id = peer_id
         self.peer_public_key = peer_public_key
         self.local_peer_id = local_peer_id
         self.is_dialer = is_dialer
         self._limiters = tuple(lim for lim in limiters if lim is not None)
-        self.max_sizes: dict[FrameType, int] = dict(DEFAULT_MAX_SIZES)
-        if max_sizes:
-            self.max_sizes.update(max_sizes)
+        self.max_sizes: dict[FrameType, int] = {**DEFAULT_MAX_SIZES, **(max_sizes or {})}
         self._server_stats = server_stats
         self.bytes_sent = 0
         self.bytes_received = 0
@@ -173,10 +171,6 @@ class DataConnection:
 
     def __repr__(self) -> str:
         return f"DataConnection(peer={self.peer_id}, dialer={self.is_dialer})"
-
-    @property
-    def socket(self) -> trio.socket.SocketType:
-        return self._sock
 
     def remote_ip(self) -> str | None:
         """The IP this connection comes from as seen here (an observed address, A10), or None."""
@@ -232,9 +226,11 @@ class DataConnection:
     ) -> None:
         if len(key) != KEY_SIZE:
             raise ValueError("frame key must be 32 bytes")
-        n = len(payload)
-        if n > self.max_sizes[ftype]:
-            raise TooLarge(f"{ftype.name} frame of {n} bytes exceeds the limit {self.max_sizes[ftype]}")
+        # what we send is held to the protocol's limits, not to what we accept (a channel server
+        # taking only small REQUEST frames refused to send any MESSAGE reply: its limit was 0)
+        n, limit = len(payload), max(self.max_sizes[ftype], DEFAULT_MAX_SIZES[ftype])
+        if n > limit:
+            raise TooLarge(f"{ftype.name} frame of {n} bytes exceeds the limit {limit}")
         if self._sent_bye:
             raise TransportError(f"connection to {self.peer_id} already ended (BYE sent)")
         header = HEADER.pack(ftype, key, n)
