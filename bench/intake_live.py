@@ -64,6 +64,9 @@ from collections import Counter
 from pathlib import Path
 from typing import Any, cast
 
+from echo2.bench.attack_cpu import pin
+from echo2.bench.attack_cpu import split as split_cpus
+
 SMALL_COMPLETIONS = 8
 SMALL_TOKENS = 64
 TIMED_RATE = 0.01
@@ -407,11 +410,13 @@ async def _client_main(role: str, info: dict[str, Any], seeds: list[int], batch:
 # --- the orchestration ---------------------------------------------------------------------------
 
 def _phase(ctx: Any, hub_pid: int, role: str, info: dict[str, Any], parts: list[list[int]], batch: int,
-           duration_s: float) -> tuple[dict[str, Any], float, float, float]:
+           duration_s: float, cpus: set[int] | None = None) -> tuple[dict[str, Any], float, float, float]:
     q, go = ctx.Queue(), ctx.Event()
     procs = [ctx.Process(target=_client_proc, args=(role, info, part, batch, duration_s, q, go)) for part in parts if part]
     for p in procs:
         p.start()
+        if cpus and p.pid:
+            pin(p.pid, cpus)
     for _ in procs:
         assert q.get(timeout=600) == "ready"
     c0, o0, m0, t0 = _tree_cpu_s(hub_pid), _tree_cpu_s(hub_pid, own=True), _thread_cpu_s(hub_pid), time.perf_counter()
@@ -432,12 +437,21 @@ def _phase(ctx: Any, hub_pid: int, role: str, info: dict[str, Any], parts: list[
             time.perf_counter() - t0)
 
 
-def run_size(n: int, clients: int, batch: int, duration_s: float, idle_s: float, intake_workers: int = 0) -> dict[str, Any]:
+def run_size(n: int, clients: int, batch: int, duration_s: float, idle_s: float, intake_workers: int = 0,
+             client_cpus: str = "none") -> dict[str, Any]:
+    """One fleet size. ``client_cpus`` (``--client-cpus``): ``none``, every process shares every
+    CPU; ``auto`` or a list, the clients (the fleet, on other machines in a real deployment) run
+    there and the hub and its workers on the other CPUs, so the hub's loop lag is its own work's
+    rather than a wait for a core the clients hold (the CPU figures are per process either way)."""
     ctx = mp.get_context("spawn")
     cmd, out = ctx.Queue(), ctx.Queue()
+    sides = split_cpus(client_cpus)
+    hub_cpus, fleet_cpus = sides if sides else (None, None)
     with tempfile.TemporaryDirectory(prefix="echo2-bench-intake-live-") as d:
         hub = ctx.Process(target=_hub_proc, args=(n, batch, d, cmd, out, intake_workers))
         hub.start()
+        if hub_cpus and hub.pid:
+            pin(hub.pid, hub_cpus)  # its intake workers, started later, inherit it
         try:
             info = out.get(timeout=1800)
             pid = hub.pid or 0
@@ -448,12 +462,12 @@ def run_size(n: int, clients: int, batch: int, duration_s: float, idle_s: float,
             lag_idle = out.get(timeout=60)
             workers = min(n // 2, clients * WORKERS_PER_CLIENT)
             parts = [list(range(k, workers, clients)) for k in range(clients)]
-            counts, cpu_r, own_r, wall_r = _phase(ctx, pid, "work", info, parts, batch, duration_s)
+            counts, cpu_r, own_r, wall_r = _phase(ctx, pid, "work", info, parts, batch, duration_s, fleet_cpus)
             cmd.put("lag")
             lag_r = out.get(timeout=60)
             idle_ids = list(range(workers, min(n, workers + HEARTBEAT_IDENTITIES)))
             hb_counts, cpu_h, _own_h, wall_h = _phase(ctx, pid, "hb", info, [idle_ids[k::clients] for k in range(clients)], batch,
-                                              duration_s)
+                                              duration_s, fleet_cpus)
             cmd.put("lag")
             lag_h = out.get(timeout=60)
             rss = _rss_mb(pid)
@@ -466,6 +480,7 @@ def run_size(n: int, clients: int, batch: int, duration_s: float, idle_s: float,
     hbs = hb_counts.get("heartbeats", 0)
     return {
         "nodes": n, "clients": clients, "batch": batch, "working_identities": workers, "intake_workers": intake_workers,
+        "cpus": {"hub": sorted(hub_cpus), "clients": sorted(fleet_cpus or ())} if hub_cpus else "shared",
         "setup": {"admit_s": info["admit_s"], "tasks_in_flight": info["tasks_in_flight"]},
         "idle": {"hub_cpu_ms_per_s": round(idle_rate * 1e3, 2), **lag_idle},
         "results": {
@@ -511,7 +526,7 @@ def run_live(args: argparse.Namespace) -> int:
     rows = []
     for n in sizes:
         for w in worker_counts:
-            row = run_size(n, args.clients, max(1, args.batch), args.duration, args.idle, w)
+            row = run_size(n, args.clients, max(1, args.batch), args.duration, args.idle, w, getattr(args, "client_cpus", "none"))
             rows.append(row)
             r, h = row["results"], row["heartbeats"]
             print(f"nodes={n:>6} clients={args.clients} batch={args.batch} workers={w}: {r['accepted_per_s']} accepted results/s,"
