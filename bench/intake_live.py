@@ -43,7 +43,8 @@ pipeline is 80,000 groups in flight (more hub RSS than before, and a longer set-
 
 ``ECHO2_INTAKE_PROFILE=FILE`` (environment): the hub's trio thread is profiled with cProfile on
 its own CPU time (``time.thread_time``, so time spent waiting for a contended core is not
-counted) through the results phase, and the stats are written to FILE (``python -m pstats``).
+counted) through the results phase (``ECHO2_INTAKE_PROFILE_PHASE=heartbeats``: the heartbeat
+phase), and the stats are written to FILE (``python -m pstats``).
 ``ECHO2_INTAKE_STEPS=FILE``: the hub's trio task steps longer than 3 ms (what makes the loop's
 lag) through the results phase, grouped by where each step ended (the await it stopped at: the
 stretch that ran is just before it), written to FILE as JSON.
@@ -210,6 +211,7 @@ async def _hub_main(hub: Any, n: int, cmd: Any, out: Any) -> None:
 
         nursery.start_soon(run_lag, lag_scope, lag)
         profile_to, profiler, lags = os.environ.get("ECHO2_INTAKE_PROFILE"), None, 0
+        profile_from = 2 if os.environ.get("ECHO2_INTAKE_PROFILE_PHASE") == "heartbeats" else 1
         steps_to, steps = os.environ.get("ECHO2_INTAKE_STEPS"), None
         while True:
             what = await trio.to_thread.run_sync(cmd.get)
@@ -225,12 +227,12 @@ async def _hub_main(hub: Any, n: int, cmd: Any, out: Any) -> None:
                     Path(steps_to).write_text(json.dumps(steps.report(), indent=1))
             if what == "lag" and profile_to:  # the 1st ends the idle phase, the 2nd the results phase
                 lags += 1
-                if lags == 1:
+                if lags == profile_from:
                     import cProfile
 
                     profiler = cProfile.Profile(time.thread_time)
                     profiler.enable()
-                elif lags == 2 and profiler is not None:
+                elif lags == profile_from + 1 and profiler is not None:
                     profiler.disable()
                     profiler.dump_stats(profile_to)
             if what == "stop":
@@ -258,19 +260,20 @@ class _SenderState:
 
 
 def _client_proc(role: str, info: dict[str, Any], seeds: list[int], batch: int, duration_s: float, out: Any,
-                 go: Any) -> None:
+                 go: Any, close: Any) -> None:
     import logging
 
     import trio
 
     logging.getLogger("echo2").setLevel(logging.ERROR)
-    out.put(trio.run(_client_main, role, info, seeds, batch, duration_s, out, go))
+    out.put(trio.run(_client_main, role, info, seeds, batch, duration_s, out, go, close))
 
 
 async def _client_main(role: str, info: dict[str, Any], seeds: list[int], batch: int, duration_s: float, out: Any,
-                       go: Any) -> dict[str, Any]:
+                       go: Any, close: Any) -> dict[str, Any]:
     """Every identity's channel is opened first (untimed: a node keeps its channel), then the
-    phase starts when the orchestrator says go."""
+    phase starts when the orchestrator says go; the counts are put on ``out`` at its end, and
+    the channels closed when the orchestrator says ``close`` (untimed as well)."""
     import random
 
     import trio
@@ -378,7 +381,6 @@ async def _client_main(role: str, info: dict[str, Any], seeds: list[int], batch:
                     first_error.setdefault(code, str(exc)[:300])
             finally:
                 nursery.cancel_scope.cancel()
-        await ch.aclose()
 
     async def poller(node: Identity, ch: ChannelClient) -> None:
         async with trio.open_nursery() as nursery:
@@ -388,7 +390,6 @@ async def _client_main(role: str, info: dict[str, Any], seeds: list[int], batch:
                     if not await heartbeat(ch, node, seq):
                         break
             nursery.cancel_scope.cancel()
-        await ch.aclose()
 
     nodes = [Identity.from_seed(_seed(s)) for s in seeds]
     channels = [await ChannelClient.open(info["addr"], node, info["hub_id"]) for node in nodes]
@@ -404,15 +405,23 @@ async def _client_main(role: str, info: dict[str, Any], seeds: list[int], batch:
                     nursery.start_soon(poller, node, ch)
     if bound.cancelled_caught:
         c["errors:phase_timeout"] += 1
-    return dict(c) | {"wall_s": trio.current_time() - t0, "first_error": first_error}
+    # the counts go first and the channels close after the orchestrator has read the hub's CPU: a
+    # node keeps its channel for its whole session, so closing 1,000 at once (the heartbeat phase's
+    # pollers) is not the phase's work (it was ~0.05 ms "per heartbeat" of teardown)
+    out.put(dict(c) | {"wall_s": trio.current_time() - t0, "first_error": first_error})
+    await trio.to_thread.run_sync(close.wait)
+    for ch in channels:
+        await ch.aclose()
+    return {"closed": len(channels)}
 
 
 # --- the orchestration ---------------------------------------------------------------------------
 
 def _phase(ctx: Any, hub_pid: int, role: str, info: dict[str, Any], parts: list[list[int]], batch: int,
            duration_s: float, cpus: set[int] | None = None) -> tuple[dict[str, Any], float, float, float]:
-    q, go = ctx.Queue(), ctx.Event()
-    procs = [ctx.Process(target=_client_proc, args=(role, info, part, batch, duration_s, q, go)) for part in parts if part]
+    q, go, close = ctx.Queue(), ctx.Event(), ctx.Event()
+    procs = [ctx.Process(target=_client_proc, args=(role, info, part, batch, duration_s, q, go, close))
+             for part in parts if part]
     for p in procs:
         p.start()
         if cpus and p.pid:
@@ -430,11 +439,17 @@ def _phase(ctx: Any, hub_pid: int, role: str, info: dict[str, Any], parts: list[
         counts.update(got)
     if first_error:
         counts["first_error"] = first_error  # type: ignore[assignment]
+    counts["_main_thread_cpu_s"] = _thread_cpu_s(hub_pid) - m0  # type: ignore[assignment]
+    c1 = _tree_cpu_s(hub_pid)
+    figures = (dict(counts), c1 - c0, _tree_cpu_s(hub_pid, own=True) - o0, time.perf_counter() - t0)
+    close.set()
+    closed = sum(q.get(timeout=120)["closed"] for _ in procs)  # the channels shut before the next phase
+    # what the hub spent on their ends, apart (a node's leaving, not its heartbeats or results)
+    time.sleep(0.5)
+    counts["_closed"], counts["_close_cpu_s"] = closed, _tree_cpu_s(hub_pid) - c1  # type: ignore[assignment]
     for p in procs:
         p.join(30)
-    counts["_main_thread_cpu_s"] = _thread_cpu_s(hub_pid) - m0  # type: ignore[assignment]
-    return (dict(counts), _tree_cpu_s(hub_pid) - c0, _tree_cpu_s(hub_pid, own=True) - o0,
-            time.perf_counter() - t0)
+    return figures
 
 
 def run_size(n: int, clients: int, batch: int, duration_s: float, idle_s: float, intake_workers: int = 0,
@@ -510,6 +525,11 @@ def run_size(n: int, clients: int, batch: int, duration_s: float, idle_s: float,
             "hub_cpu_ms_per_heartbeat_net": round((cpu_h - idle_rate * wall_h) * 1e3 / hbs, 3) if hbs else None,
             "hub_loop_thread_cpu_ms_per_heartbeat": round(hb_counts.get("_main_thread_cpu_s", 0.0) * 1e3 / hbs, 3) if hbs else None,
             "loop_lag_p99_ms": lag_h["loop_lag_p99_ms"], "loop_lag_max_ms": lag_h["loop_lag_max_ms"],
+            # after the figures above: the pollers close their channels (a node leaving), timed apart
+            # with 0.5 s of idle in it (it was counted in the heartbeats before 2026-12-05)
+            "channels_closed": hb_counts.get("_closed", 0),
+            "hub_cpu_ms_per_channel_closed": round(hb_counts.get("_close_cpu_s", 0.0) * 1e3 / hb_counts["_closed"], 3)
+            if hb_counts.get("_closed") else None,
         },
         "hub_rss_mb": round(rss, 1),
     }
