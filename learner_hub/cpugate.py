@@ -8,6 +8,14 @@ loop lag p99 of 114 ms with 32 working nodes. A checkpoint between items alone d
 that (the pass still runs one step of every handler); a gate does: one task at a time does
 intake's CPU work, and between items it gives the gate to the next waiter (trio's Lock is FIFO)
 and lets the loop run once its slice (``slice_s``) is used up.
+
+A slice per holder does not bound a pass, though: the lock is free between two holders, so every
+task that became runnable in a pass (32 nodes' batches, each read in the same pass) took it in
+turn within that pass, and the pass ran them all: loop lag p99 23-33 ms with 32 working nodes,
+`echo2 bench intake --nodes 100 --batch 8`, where no single step was over 10 ms (trio instrument).
+So the gate also keeps a budget per pass of the loop (``pass_budget_s``, counted by a trio
+instrument on the loop's I/O wait, which runs once a pass): once the pass has had it, a task that
+wants the gate waits for the next pass.
 """
 
 from __future__ import annotations
@@ -21,19 +29,46 @@ import trio
 #: how long one task may run intake work before it lets the loop run (a small result is ~0.3 ms
 #: to examine, ~0.1 ms to judge: a slice holds a few; the loop's lag stays near one slice)
 SLICE_S = 0.001
+#: the gated work one pass of the loop runs at most (a holder may overrun it by one item, or by a
+#: whole batch's judging, which is not sliced): what the loop's other tasks wait for, at most
+PASS_BUDGET_S = 0.004
+
+
+class PassClock(trio.abc.Instrument):
+    """Counts the passes of the trio loop it is added to: trio calls ``after_io_wait`` once per
+    pass (and only the hooks an instrument defines, so this costs one call a pass)."""
+
+    def __init__(self) -> None:
+        self.passes = 0
+
+    def after_io_wait(self, timeout: float) -> None:
+        self.passes += 1
 
 
 class CpuGate:
     """``async with gate.held() as g: for x in xs: work(x); await g.tick()``."""
 
-    def __init__(self, slice_s: float = SLICE_S) -> None:
+    def __init__(self, slice_s: float = SLICE_S, pass_budget_s: float = PASS_BUDGET_S) -> None:
         self.slice_s = slice_s
+        self.pass_budget_s = pass_budget_s
         self._lock: trio.Lock | None = None  # made in the loop that uses it (the hub's)
+        self._clock: PassClock | None = None  # added to that loop with the lock
         self._since = 0.0
+        self._pass = -1  # the pass _spent counts for
+        self._spent = 0.0
         self.yields = 0  # slices handed on (status, tests)
+        self.deferred = 0  # times a task waited for the next pass: this one's budget was spent
+
+    def _spent_now(self) -> float:
+        return self._spent if self._clock is not None and self._pass == self._clock.passes else 0.0
 
     async def _acquire(self) -> None:
-        self._lock = self._lock or trio.Lock()
+        if self._lock is None:
+            self._lock, self._clock = trio.Lock(), PassClock()
+            trio.lowlevel.add_instrument(self._clock)
+        while self._spent_now() >= self.pass_budget_s:
+            self.deferred += 1
+            await trio.lowlevel.checkpoint()  # runs again in the next pass
         try:  # uncontended: no trip through the scheduler (each costs the loop ~30 us)
             self._lock.acquire_nowait()
         except trio.WouldBlock:
@@ -42,6 +77,10 @@ class CpuGate:
 
     def _release(self) -> None:
         if self._lock is not None and self._lock.statistics().owner is trio.lowlevel.current_task():
+            assert self._clock is not None
+            if self._pass != self._clock.passes:
+                self._pass, self._spent = self._clock.passes, 0.0
+            self._spent += time.perf_counter() - self._since
             self._lock.release()
 
     @asynccontextmanager

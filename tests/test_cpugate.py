@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import trio
 
-from echo2.learner_hub.cpugate import CpuGate
+from echo2.learner_hub.cpugate import CpuGate, PassClock
 from echo2.learner_hub.intake_check import Limits
 from echo2.learner_hub.intake_pool import IntakePool
 from echo2.learner_hub.intake_worker import CheckContext, WorkerSpec
@@ -50,6 +50,33 @@ def test_tasks_take_turns_and_the_loop_runs_between_slices() -> None:
     # the loop's other tasks ran between items
     first, last = order.index(items[0]), order.index(items[-1])
     assert "tick" in order[first:last]
+
+
+def test_a_pass_of_the_loop_runs_at_most_its_budget_of_gated_work() -> None:
+    """Tasks that each take the gate once, all runnable in the same pass: the free lock let every
+    one of them run in that pass (the pass was their sum); past the pass budget they wait for the
+    next pass, so each pass runs at most one item that is over the budget on its own."""
+    passes: list[int] = []
+
+    async def main() -> int:
+        clock = PassClock()
+        trio.lowlevel.add_instrument(clock)
+        gate = CpuGate(slice_s=1.0, pass_budget_s=0.002)
+
+        async def work() -> None:
+            async with gate.held():
+                _busy(0.003)  # one item, past the pass budget on its own
+                passes.append(clock.passes)
+
+        async with trio.open_nursery() as nursery:
+            for _ in range(8):
+                nursery.start_soon(work)
+        return gate.deferred
+
+    deferred = trio.run(main)
+    assert len(passes) == 8
+    assert len(set(passes)) == 8, passes  # one item per pass: the budget was spent by the first
+    assert deferred >= 7
 
 
 def test_within_the_slice_a_task_keeps_the_gate() -> None:
