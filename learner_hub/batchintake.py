@@ -97,12 +97,13 @@ def _judge(hub: Hub, peer: str, c: Checked) -> tuple[NodeInfo, Accept, float]:
     raise verdict.error
 
 
-async def accept_items(hub: Hub, peer: str, items: list[bytes]) -> list[ItemOutcome]:
+async def accept_items(hub: Hub, peer: str, items: list[bytes], *, covered: bool = False) -> list[ItemOutcome]:
     """Each of ``items`` (result envelopes ``peer``'s connection sent) judged: its sealed receipt,
-    or the Echo2Error that refuses it (another exception: a bug judging it)."""
+    or the Echo2Error that refuses it (another exception: a bug judging it). ``covered``: the items
+    of a ResultBatch signed by ``peer`` and verified (their own signatures are not checked again)."""
     if peer not in hub.nodes:  # before any work on the frames: a stranger costs no worker time
         raise NotAdmitted(_NOT_ADMITTED)
-    ctx = CheckContext(peer, hub.intake.tasks_of(peer), hub.learner.version, hub.cfg.steps)
+    ctx = CheckContext(peer, hub.intake.tasks_of(peer), hub.learner.version, hub.cfg.steps, covered=covered)
     checked = await hub.intake_pool.check_many(items, ctx)
     out: list[ItemOutcome | None] = [None] * len(items)
     taken: list[_Taken] = []

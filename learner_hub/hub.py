@@ -290,7 +290,7 @@ class Hub:
     async def on_results(self, peer: str, data: bytes) -> bytes:
         """A ResultBatch: its items judged together, one verdict each (batchintake.py)."""
         return await judge_batch(self.identity, peer, data, replay=self.replay, allowed=self._signed_by(peer),
-                                 judge_items=lambda p, items: accept_items(self, p, items))
+                                 judge_items=lambda p, items: accept_items(self, p, items, covered=True))
 
     async def on_channel(self, peer: str, data: bytes) -> bytes:
         """Where an admitted node opens its channel (the request carries nothing: the stream's

@@ -310,11 +310,16 @@ def examine(raw: bytes, peer: str, tasks: dict[str, TaskView], lim: Limits,
     return find_many([open_result(raw, peer, now=now)], peer, tasks, lim, decode_batch)[0]
 
 
-def open_result(raw: bytes, peer: str, *, now: float | None = None) -> envelope.Verified[AnyResult]:
+def open_result(raw: bytes, peer: str, *, now: float | None = None, covered: bool = False) -> envelope.Verified[AnyResult]:
     """The envelope's steps on ``raw`` (size, signature over the raw bytes, signer is ``peer``,
-    expiry, payload decode and schema): the result, or the envelope's Echo2Error raised."""
+    expiry, payload decode and schema): the result, or the envelope's Echo2Error raised.
+    ``covered``: ``raw`` is an item of a ResultBatch whose signature ``peer`` made and the hub
+    verified (over these bytes among the rest), so the item's own signature is not checked again
+    (open_envelope's ``covered``): that was 55 us of a small result's ~0.65 ms, and the batch's
+    check already costs ~17 us a result (`echo2 bench intake --batch 8`, py-spy, 2026-12-05)."""
     allowed: Callable[[str, type], bool] = lambda signer, _t: signer == peer  # noqa: E731
-    return envelope.open_envelope(raw, (PackedResult, Result), now=now, replay=None, allowed=allowed, max_size=MAX_RESULT)
+    return envelope.open_envelope(raw, (PackedResult, Result), now=now, replay=None, allowed=allowed, max_size=MAX_RESULT,
+                                  covered=covered)
 
 
 def find_many(opened: Sequence[envelope.Verified[AnyResult]], peer: str, tasks: dict[str, TaskView], lim: Limits,

@@ -256,7 +256,7 @@ class IntakePool:
                 for i, raw in enumerate(raws):
                     self.checked += 1
                     try:
-                        opened.append((i, open_result(raw, ctx.peer)))
+                        opened.append((i, open_result(raw, ctx.peer, covered=ctx.covered)))
                     except Echo2Error as exc:
                         self.verdicts[exc.code] += 1
                         out[i] = exc

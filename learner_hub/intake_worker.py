@@ -92,6 +92,8 @@ class CheckContext(NamedTuple):
     step: int  # TrainerState.global_step (a plain int: the dataclass pickled slower than the rest of the header)
     max_steps: int
     score: bool = True
+    # the frames are items of a ResultBatch the hub verified, signed by ``peer`` (open_result's covered)
+    covered: bool = False
 
 
 class Reply(NamedTuple):
@@ -189,7 +191,7 @@ def handle_many(raws: Sequence[bytes], req: CheckContext, lim: Limits,
     opened: list[tuple[int, Any]] = []
     for i, raw in enumerate(raws):
         try:
-            opened.append((i, open_result(raw, req.peer)))
+            opened.append((i, open_result(raw, req.peer, covered=req.covered)))
         except Echo2Error as exc:
             replies.append(Reply(error=error_to_wire(exc)))
             continue

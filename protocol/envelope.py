@@ -339,6 +339,7 @@ def open_envelope(
     allowed: Callable[[str, type], bool] | None = None,
     max_size: int | None = None,
     clock_skew_s: float = 30.0,
+    covered: bool = False,
 ) -> Verified[M]: ...
 
 
@@ -352,6 +353,7 @@ def open_envelope(
     allowed: Callable[[str, type], bool] | None = None,
     max_size: int | None = None,
     clock_skew_s: float = 30.0,
+    covered: bool = False,
 ) -> Verified[Any]: ...
 
 
@@ -364,11 +366,16 @@ def open_envelope(
     allowed: Callable[[str, type], bool] | None = None,
     max_size: int | None = None,
     clock_skew_s: float = 30.0,
+    covered: bool = False,
 ) -> Verified[Any]:
     """Verify an envelope carrying one of the ``expected`` message types and return it.
 
     ``allowed(signer_peer_id, message_class)`` decides who may send what; ``replay=None`` skips
     the nonce check (only for messages whose replay is harmless, e.g. idempotent queries).
+    ``covered=True``: ``data`` came whole inside an envelope whose signature the caller has
+    verified (an item of a ResultBatch), so its bytes are already authenticated: the Ed25519 check
+    of its own signature is skipped, every other step is not (the signer is still read from its
+    key, and ``allowed`` must then demand the outer envelope's signer).
     """
     types = _expected_types(expected)
     limit = max(t.MAX_SIZE for t in types) if max_size is None else max_size
@@ -397,7 +404,8 @@ def open_envelope(
         raise TooLarge(f"{cls.TYPE} envelope of {size} bytes exceeds the limit of {cls.MAX_SIZE} bytes")
 
     # 3. signature, over the bytes as received (no re-encoding of a payload of up to 64 MiB)
-    verify_signature(env.key, env.signature, _signed_bytes(mv))
+    if not covered:
+        verify_signature(env.key, env.signature, _signed_bytes(mv))
     signer = peer_id_from_public_key(env.key)
 
     # 4. signer allowed for this message type

@@ -64,11 +64,17 @@ def public_key_from_peer_id(peer_id: str) -> bytes:
 #: OpenSSL, which is faster there (36 MB: 0.08 s against libsodium's 0.19 s).
 _SODIUM_MAX = 64 * 1024
 
+#: Up to this size data is signed by libsodium (see Identity.sign)
+_SODIUM_SIGN_MAX = 4 * 1024
+
 try:
+    from nacl.bindings import crypto_sign as _sodium_sign
     from nacl.bindings import crypto_sign_open as _sodium_open
+    from nacl.bindings import crypto_sign_seed_keypair as _sodium_keypair
     from nacl.exceptions import CryptoError as _SodiumError
 except ImportError:  # pragma: no cover - PyNaCl comes with libp2p
     _sodium_open = None  # type: ignore[assignment]
+    _sodium_sign = None  # type: ignore[assignment]
 
 
 def verify_signature(raw_public: bytes, signature: bytes, data: bytes) -> None:
@@ -124,7 +130,18 @@ class Identity:
     def peer_id(self) -> str:
         return peer_id_from_public_key(self.public_bytes)
 
+    @functools.cached_property
+    def _sodium_secret(self) -> bytes:
+        # libsodium's 64-byte signing key (seed + public key), derived once
+        return _sodium_keypair(self.seed)[1]
+
     def sign(self, data: bytes) -> bytes:
+        # Ed25519 signatures are deterministic: both libraries give the same bytes. libsodium signs
+        # the small messages (tasks, receipts, acks, replies) in 17 us against OpenSSL's 29 (300
+        # bytes, here); from a few KiB on OpenSSL's hashing is the faster (6 KB: 40 vs 44 us,
+        # 60 KB: 242 vs 185), and PyNaCl's API copies the data into its reply
+        if _sodium_sign is not None and len(data) <= _SODIUM_SIGN_MAX:
+            return _sodium_sign(bytes(data), self._sodium_secret)[:64]
         return self.private_key.sign(data)
 
     def __repr__(self) -> str:  # never print key material

@@ -161,3 +161,37 @@ def test_whole_result_checks_answer_as_the_per_completion_checks() -> None:
         faults += expected is not None
         assert completions_problem([2, 2, 2], r, lim, stop_arr) == expected
     assert 100 < faults < 400  # both verdicts were exercised
+
+
+def _flip_signature(sealed: bytes) -> bytes:
+    at = sealed.rindex(b"\xa1s\xc4\x40") + 4  # the envelope's signature field (seal's layout)
+    return sealed[:at] + bytes([sealed[at] ^ 1]) + sealed[at + 1:]
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_a_batch_signature_covers_its_items_and_their_signer_must_be_the_node(tmp_path: Path, workers: int) -> None:
+    """The batch's signature, verified over its raw bytes, authenticates each item's bytes, so an
+    item's own signature is not checked a second time (55 us a small result); its signer must
+    still be the node, and a lone result's signature is still checked."""
+    hub, node, tasks = _hub_with_tasks(tmp_path, workers, 3)
+    other = Identity.generate()
+    try:
+        flipped = _flip_signature(envelope.seal(node, answer(tasks[0], node)))
+        with pytest.raises(Exception) as lone:  # alone, nothing covers it: the signature is checked
+            trio.run(hub.on_result, node.peer_id, flipped)
+        assert getattr(lone.value, "code", "") == "bad_signature"
+        # by another key: a valid signature, but not the node's (its peer ID is the node's own name)
+        foreign = envelope.seal(other, dataclasses.replace(answer(tasks[1], node)))
+        items = [flipped, foreign, envelope.seal(node, answer(tasks[2], node))]
+        ack_env = trio.run(hub.on_results, node.peer_id, envelope.seal(node, ResultBatch(node_id=node.peer_id, results=items)))
+        ack = envelope.open_envelope(ack_env, BatchAck, replay=None).message
+        assert [v.accepted for v in ack.verdicts] == [True, False, True], ack.verdicts
+        assert ack.verdicts[1].code == "signer_not_allowed"
+        # a batch whose own signature is bad is refused whole, its items unread
+        bad_batch = _flip_signature(envelope.seal(node, ResultBatch(node_id=node.peer_id, results=items[1:2])))
+        with pytest.raises(Exception) as whole:
+            trio.run(hub.on_results, node.peer_id, bad_batch)
+        assert getattr(whole.value, "code", "") == "bad_signature"
+    finally:
+        hub.intake_pool.close()
+        hub.store.close()

@@ -513,3 +513,16 @@ def test_fixed_layout_reader_never_accepts_what_the_general_reader_refuses() -> 
                 assert fixed == envelope._read_any(mv)
     for cut in range(len(data)):
         assert envelope._read_fixed(memoryview(data[:cut])) is None
+
+
+@pytest.mark.parametrize("size", [0, 300, 4096, 4097, 70_000])
+def test_both_signing_paths_give_the_rfc8032_signature(size: int) -> None:
+    """Identity.sign takes libsodium for small data and OpenSSL above: Ed25519 is deterministic,
+    so both must give exactly the signature OpenSSL gives, and it verifies."""
+    from echo2.protocol.identity import Identity, verify_signature
+
+    ident = Identity.from_seed(bytes(range(32)))
+    data = bytes((i * 7) & 0xFF for i in range(size))
+    sig = ident.sign(data)
+    assert sig == ident.private_key.sign(data)
+    verify_signature(ident.public_bytes, sig, data)
