@@ -43,11 +43,12 @@ pipeline is 80,000 groups in flight (more hub RSS than before, and a longer set-
 
 ``ECHO2_INTAKE_PROFILE=FILE`` (environment): the hub's trio thread is profiled with cProfile on
 its own CPU time (``time.thread_time``, so time spent waiting for a contended core is not
-counted) through the results phase (``ECHO2_INTAKE_PROFILE_PHASE=heartbeats``: the heartbeat
+counted) through the results phase (``ECHO2_INTAKE_PROFILE_PHASE=heartbeats`` or ``idle``: that
 phase), and the stats are written to FILE (``python -m pstats``).
 ``ECHO2_INTAKE_STEPS=FILE``: the hub's trio task steps longer than 3 ms (what makes the loop's
-lag) through the results phase, grouped by where each step ended (the await it stopped at: the
-stretch that ran is just before it), written to FILE as JSON.
+lag) through the results phase (``ECHO2_INTAKE_STEPS_PHASE=idle``: the idle phase), grouped by
+where each step ended (the await it stopped at: the stretch that ran is just before it), written
+to FILE as JSON.
 """
 
 from __future__ import annotations
@@ -211,8 +212,18 @@ async def _hub_main(hub: Any, n: int, cmd: Any, out: Any) -> None:
 
         nursery.start_soon(run_lag, lag_scope, lag)
         profile_to, profiler, lags = os.environ.get("ECHO2_INTAKE_PROFILE"), None, 0
-        profile_from = 2 if os.environ.get("ECHO2_INTAKE_PROFILE_PHASE") == "heartbeats" else 1
+        profile_from = {"idle": 0, "heartbeats": 2}.get(os.environ.get("ECHO2_INTAKE_PROFILE_PHASE", ""), 1)
+        if profile_to and profile_from == 0:
+            import cProfile
+
+            profiler = cProfile.Profile(time.thread_time)
+            profiler.enable()
         steps_to, steps = os.environ.get("ECHO2_INTAKE_STEPS"), None
+        if steps_to and os.environ.get("ECHO2_INTAKE_STEPS_PHASE") == "idle":  # from the idle phase's start
+            from echo2.bench.intake_steps import StepTimer
+
+            steps = StepTimer()
+            trio.lowlevel.add_instrument(cast(Any, steps))  # duck-typed Instrument
         while True:
             what = await trio.to_thread.run_sync(cmd.get)
             if what == "lag" and steps_to:
@@ -441,7 +452,8 @@ def _phase(ctx: Any, hub_pid: int, role: str, info: dict[str, Any], parts: list[
         counts["first_error"] = first_error  # type: ignore[assignment]
     counts["_main_thread_cpu_s"] = _thread_cpu_s(hub_pid) - m0  # type: ignore[assignment]
     c1 = _tree_cpu_s(hub_pid)
-    figures = (dict(counts), c1 - c0, _tree_cpu_s(hub_pid, own=True) - o0, time.perf_counter() - t0)
+    figures = (counts, c1 - c0,  # the teardown's counts are added below, to the same dict
+               _tree_cpu_s(hub_pid, own=True) - o0, time.perf_counter() - t0)
     close.set()
     closed = sum(q.get(timeout=120)["closed"] for _ in procs)  # the channels shut before the next phase
     # what the hub spent on their ends, apart (a node's leaving, not its heartbeats or results)

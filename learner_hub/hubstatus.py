@@ -169,6 +169,7 @@ async def write_status_in_chunks(hub: Hub, path: Path, extra: dict[str, Any]) ->
 
     def build_and_write() -> None:
         t_build = time.thread_time()
+        hub.curves.catch_up()  # before the entries read the node rates
         rows = {r.peer_id: r for r in accounts.rows()}
 
         def entries() -> Iterator[tuple[dict[str, Any], bool]]:
