@@ -82,6 +82,13 @@ REPLY_SLACK_S = 30.0
 READY_TIMEOUT_S = 120.0
 #: frames up to this size are sent with their header in one write (a copy costs less than a syscall)
 SMALL_FRAME = 256 * 1024
+#: results waiting on one worker at most. It was 2 batches' worth (64): with 32 nodes sending
+#: batches of 8 at once (`echo2 bench intake --clients 2 --batch 8 --workers 2`, nodes resending
+#: what is refused busy as a node does) ~1/3 of the items were answered busy, each received,
+#: checked and refused for nothing, and sent again after a backoff (409 results/s against ~800
+#: with no workers). The bytes of what waits are bounded apart: the channel holds at most 96 MiB
+#: per peer and 512 MiB in all (protocol/net/channel.py), and per_peer bounds one node's share.
+PER_WORKER = 8 * MAX_BATCH_RESULTS
 
 
 class IntakeBusy(ProtocolError):
@@ -206,7 +213,7 @@ class IntakePool:
     """``workers`` intake processes (0: the checks run in this process)."""
 
     def __init__(self, workers: int, spec: WorkerSpec, decode_batch: Callable[[list[list[int]]], list[str]], *,
-                 per_worker: int = 2 * MAX_BATCH_RESULTS, per_peer: int = MAX_BATCH_RESULTS) -> None:
+                 per_worker: int = PER_WORKER, per_peer: int = MAX_BATCH_RESULTS) -> None:
         # a node's ResultBatch is judged item by item, all at once (batchintake.py): a per-peer
         # bound below a batch's size would answer busy to the rest of an honest batch
         self.spec, self.decode_batch = spec, decode_batch
