@@ -61,7 +61,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--workers", default="0",
                         help="comma-separated intake_workers values measured per fleet size (e.g. 0,2; default 0)")
     parser.add_argument("--reward-sleep", type=float, default=0.0, dest="reward_sleep",
-                        help="add a reward function that sleeps this many seconds per call (does not apply: None)")
+                        help="add a reward function that sleeps this many seconds per call (default 0: none)")
     parser.add_argument("--tokens", type=int, default=SMALL_TOKENS,
                         help=f"tokens per completion of the measured results (default {SMALL_TOKENS}; 8 completions each)")
     parser.add_argument("--packed", action="store_true", help="results in the packed wire form nodes send (default: list form)")
