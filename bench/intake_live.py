@@ -129,7 +129,7 @@ def bench_announce(peer: str) -> Any:
 
 # --- the hub process ----------------------------------------------------------------------------
 
-def _hub_proc(n: int, batch: int, workdir: str, cmd: Any, out: Any, workers: int = 0) -> None:
+def _hub_proc(n: int, batch: int, workdir: str, cmd: Any, out: Any, workers: int = 0, reward_sleep_s: float = 0.0) -> None:
     import logging
 
     import trio
@@ -139,10 +139,16 @@ def _hub_proc(n: int, batch: int, workdir: str, cmd: Any, out: Any, workers: int
 
     logging.getLogger("echo2").setLevel(logging.ERROR)
     cap = max(2, batch)
+    extra: dict[str, Any] = {}
+    if reward_sleep_s > 0:  # --reward-sleep: a slow operator reward beside the built-in one
+        from .intake import SLEEP_ENV
+
+        os.environ[SLEEP_ENV] = repr(reward_sleep_s)  # intake workers inherit the environment
+        extra["reward_funcs"] = ["echo2.learner_hub.rewards_builtin:copy_reward", "echo2.bench.intake:sleepy_reward"]
     # the pipeline holds cap groups per identity: see "Task supply" in the module's docstring
     cfg = HubConfig(dir=workdir, steps=10**6, prompts_per_step=max(n * cap, 256), group_size=SMALL_COMPLETIONS,
                     max_new_tokens=SMALL_TOKENS, staleness=1, task_deadline_s=3600.0, node_silence_s=3600.0,
-                    intake_workers=workers, tasks_per_node=min(cap, 16))
+                    intake_workers=workers, tasks_per_node=min(cap, 16), **extra)
     hub = Hub(cfg)
     # small results (one group of 8 each): a node timed fast would otherwise get tasks of several
     # groups once the queue is deep, and "per result" would measure larger results
@@ -487,7 +493,7 @@ def _phase(ctx: Any, hub_pid: int, role: str, info: dict[str, Any], parts: list[
 
 
 def run_size(n: int, clients: int, batch: int, duration_s: float, idle_s: float, intake_workers: int = 0,
-             client_cpus: str = "none") -> dict[str, Any]:
+             client_cpus: str = "none", reward_sleep_s: float = 0.0) -> dict[str, Any]:
     """One fleet size. ``client_cpus`` (``--client-cpus``): ``none``, every process shares every
     CPU; ``auto`` or a list, the clients (the fleet, on other machines in a real deployment) run
     there and the hub and its workers on the other CPUs, so the hub's loop lag is its own work's
@@ -497,7 +503,7 @@ def run_size(n: int, clients: int, batch: int, duration_s: float, idle_s: float,
     sides = split_cpus(client_cpus)
     hub_cpus, fleet_cpus = sides if sides else (None, None)
     with tempfile.TemporaryDirectory(prefix="echo2-bench-intake-live-") as d:
-        hub = ctx.Process(target=_hub_proc, args=(n, batch, d, cmd, out, intake_workers))
+        hub = ctx.Process(target=_hub_proc, args=(n, batch, d, cmd, out, intake_workers, reward_sleep_s))
         hub.start()
         if hub_cpus and hub.pid:
             pin(hub.pid, hub_cpus)  # its intake workers, started later, inherit it
@@ -581,7 +587,8 @@ def run_live(args: argparse.Namespace) -> int:
     rows = []
     for n in sizes:
         for w in worker_counts:
-            row = run_size(n, args.clients, max(1, args.batch), args.duration, args.idle, w, getattr(args, "client_cpus", "none"))
+            row = run_size(n, args.clients, max(1, args.batch), args.duration, args.idle, w, getattr(args, "client_cpus", "none"),
+                           float(getattr(args, "reward_sleep", 0.0)))
             rows.append(row)
             r, h = row["results"], row["heartbeats"]
             print(f"nodes={n:>6} clients={args.clients} batch={args.batch} workers={w}: {r['accepted_per_s']} accepted results/s,"
@@ -607,6 +614,7 @@ def run_live(args: argparse.Namespace) -> int:
                             "prompts_per_step = max(N * tasks per node, 256): every identity can hold its share "
                             "(see 'Task supply' in the module's docstring)"],
         "small_result": {"completions": SMALL_COMPLETIONS, "tokens_each": SMALL_TOKENS},
+        "reward_sleep_s": float(getattr(args, "reward_sleep", 0.0)),
         "rows": rows,
     }
     by_w = {(row["nodes"], row["intake_workers"]): row["results"] for row in rows}
