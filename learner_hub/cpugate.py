@@ -53,6 +53,7 @@ class CpuGate:
         self.pass_budget_s = pass_budget_s
         self._lock: trio.Lock | None = None  # made in the loop that uses it (the hub's)
         self._clock: PassClock | None = None  # added to that loop with the lock
+        self._token: trio.lowlevel.TrioToken | None = None  # that loop's
         self._since = 0.0
         self._pass = -1  # the pass _spent counts for
         self._spent = 0.0
@@ -63,8 +64,13 @@ class CpuGate:
         return self._spent if self._clock is not None and self._pass == self._clock.passes else 0.0
 
     async def _acquire(self) -> None:
-        if self._lock is None:
-            self._lock, self._clock = trio.Lock(), PassClock()
+        token = trio.lowlevel.current_trio_token()
+        if self._lock is None or self._token is not token:
+            # the first use in this loop (a hub object driven by several trio.run calls, as tests
+            # do: a clock left on a finished loop never counts a pass, and the spent budget of
+            # every earlier run would add up until a task waited forever for the next pass)
+            self._lock, self._clock, self._token = trio.Lock(), PassClock(), token
+            self._pass, self._spent = -1, 0.0
             trio.lowlevel.add_instrument(self._clock)
         while self._spent_now() >= self.pass_budget_s:
             self.deferred += 1

@@ -3,6 +3,8 @@ past its slice lets the loop (and the next task in line) run between two items."
 
 from __future__ import annotations
 
+import time
+
 import trio
 
 from echo2.learner_hub.cpugate import CpuGate, PassClock
@@ -134,3 +136,20 @@ def test_the_in_process_pool_examines_a_batch_in_slices() -> None:
     trio.run(main)
     # the ticker ran while the batch was part done (it ran before and after it, on the old code)
     assert any(0 < n < 20 for n in seen)
+
+
+def test_a_gate_used_by_several_trio_runs_starts_afresh_in_each() -> None:
+    """A hub object driven by several ``trio.run`` calls (as tests drive one): each run's work
+    used to add up against the pass budget of the first run's loop, whose clock never counted
+    another pass, until a task waited forever for the next pass."""
+    gate = CpuGate(slice_s=10.0, pass_budget_s=0.002)
+
+    async def work() -> None:
+        with trio.fail_after(10):
+            async with gate.held():
+                t = time.perf_counter()
+                while time.perf_counter() - t < 0.003:  # more than a pass's budget
+                    pass
+
+    for _ in range(3):
+        trio.run(work)
