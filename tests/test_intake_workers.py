@@ -34,6 +34,14 @@ def slow_reward(completions: list[Any], **_: Any) -> list[float | None]:
     return [0.5] * len(completions)
 
 
+def counted_reward(completions: list[Any], **_: Any) -> list[float | None]:
+    """Sleeps, and notes each call (one line per call, in the file the test names)."""
+    with open(os.environ["ECHO2_TEST_REWARD_LOG"], "a") as f:
+        f.write(f"{len(completions)}\n")
+    time.sleep(float(os.environ.get("ECHO2_TEST_REWARD_SLEEP_S", "0")))
+    return [0.5] * len(completions)
+
+
 def make_hub(tmp_path: Path, workers: int, **kw: Any) -> Hub:
     return Hub(small_hub_cfg(tmp_path / f"hub{workers}", intake_workers=workers, **kw))
 
@@ -151,6 +159,52 @@ def test_sleeping_reward_does_not_block_loop_and_shutdown_leaves_no_process(tmp_
         hub.store.close()
         os.environ.pop("ECHO2_TEST_REWARD_SLEEP_S", None)
     assert not any(_alive(p) for p in pids)
+
+
+def test_results_waiting_on_a_busy_worker_are_scored_together(tmp_path: Path) -> None:
+    """Four nodes' results reach one worker whose reward sleeps: the first is scored alone, the
+    three that queued meanwhile go in the worker's next request and one reward call (not one
+    call, and one sleep, each), and every one is accepted with its own verdict."""
+    log = tmp_path / "calls.txt"
+    os.environ["ECHO2_TEST_REWARD_SLEEP_S"], os.environ["ECHO2_TEST_REWARD_LOG"] = "0.5", str(log)
+    hub = make_hub(tmp_path, 1, reward_funcs=["test_intake_workers:counted_reward"])
+    try:
+        nodes = [Identity.generate() for _ in range(4)]
+        for n in nodes:
+            admit(hub, n)
+        tasks = [take_task(hub, n) for n in nodes]
+        frames = [(n.peer_id, envelope.seal(n, answer(t, n))) for n, t in zip(nodes, tasks, strict=True)]
+        bad = Identity.generate()  # a frame signed by a stranger rides along and is refused alone
+        frames.append((nodes[0].peer_id, envelope.seal(bad, answer(tasks[0], bad))))
+        done: list[str] = []
+
+        async def main() -> None:
+            with trio.fail_after(60):
+                async with trio.open_nursery() as nursery:
+                    for peer, data in frames:
+                        nursery.start_soon(_send_or_refuse, hub, peer, data, done)
+                        await trio.sleep(0.05)  # the first is in the worker before the rest arrive
+
+        trio.run(main)
+        assert sorted(done) == ["accepted"] * 4 + ["signer_not_allowed"]
+        per_task = tasks[0].group_size * len(tasks[0].prompts)
+        calls = [int(x) for x in log.read_text().split()]
+        assert calls == [per_task, 3 * per_task]
+        assert hub.rewards.scored == 4 * per_task
+    finally:
+        hub.intake_pool.close()
+        hub.store.close()
+        os.environ.pop("ECHO2_TEST_REWARD_SLEEP_S", None)
+        os.environ.pop("ECHO2_TEST_REWARD_LOG", None)
+
+
+async def _send_or_refuse(hub: Hub, peer: str, data: bytes, done: list[str]) -> None:
+    try:
+        await hub.on_result(peer, data)
+    except Echo2Error as exc:
+        done.append(exc.code)
+        return
+    done.append("accepted")
 
 
 async def _send(hub: Hub, peer: str, data: bytes, done: list[str]) -> None:
