@@ -15,8 +15,9 @@ from echo2.bench.swarm import LocalSwarm
 SILENCE_S = 6.0  # the hub's node_silence_s for this test (default 30 s)
 
 
+# not in the README's run (was `ci`): the suite took 706 s on a 2-core machine; a SIGKILLed
+# process in a live swarm stays covered by test_e2e_faults.py (the hub's), run by CI
 @pytest.mark.slow
-@pytest.mark.ci
 @pytest.mark.e2e
 @pytest.mark.timeout(180)
 def test_sigkill_a_third_and_replace(tmp_path: Path) -> None:

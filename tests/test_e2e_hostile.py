@@ -27,8 +27,9 @@ from hostile_node import (
 from echo2.bench.swarm import LocalSwarm
 
 
+# not in the README's run (was `ci`): the suite took 706 s on a 2-core machine; the verifier's
+# spot check and ban are covered at the hub by test_verify_a5.py, and CI keeps the corrupt relay's swarm
 @pytest.mark.slow
-@pytest.mark.ci
 @pytest.mark.e2e
 @pytest.mark.timeout(180)
 def test_wrong_logprobs_node_is_banned(tmp_path: Path) -> None:
@@ -64,8 +65,9 @@ def test_wrong_logprobs_node_is_banned(tmp_path: Path) -> None:
     assert abs(LOGPROB_SHIFT) > cfg.logprob_tolerance
 
 
+# not in the README's run (was `ci`): the suite took 706 s on a 2-core machine; forged, replayed
+# and duplicated frames are refused by a real hub in test_intake_workers.py and test_batch_intake.py
 @pytest.mark.slow
-@pytest.mark.ci
 @pytest.mark.e2e
 @pytest.mark.timeout(180)
 def test_forged_and_replayed_results_are_refused(tmp_path: Path) -> None:
