@@ -34,7 +34,8 @@ the pool's :class:`~.cpugate.CpuGate` (the loop's lag p99 with 32 working nodes 
 
 Hostile input is bounded: at most ``per_worker`` results wait on a worker and ``per_peer`` results
 of one peer are in the pool at once; beyond that the answer is ``busy`` (a node retries it). A
-worker that dies or hangs past its deadline is killed and restarted, and the result it held is
+worker that dies or hangs past its deadline is killed and restarted, and the results it held (all
+that went in its request: what waited on it goes together, :meth:`IntakePool._take`) are each
 refused as ``busy`` with the reason (the node sends it again; its nonce was never recorded), so
 no result is lost silently. :meth:`IntakePool.close` stops every worker (the hub's stop); a worker
 also exits by itself when the hub's end of its socket closes.
