@@ -11,7 +11,9 @@ the hub's largest costs when each item went through the lone path (profiled in b
 the SQLite transaction ~0.35 ms).
 
 A :class:`~echo2.protocol.batchmessages.ResultBatch` is opened like any request (size, signature
-over the raw bytes, signer admitted, replay), then its items go through :func:`accept_items`.
+over the raw bytes, signer admitted, replay), then its items go through :func:`accept_items`;
+with intake workers the whole batch frame goes to one of them (:func:`judge_batch_in_worker`),
+which opens it and its items, and the hub keeps only the replay step and the stateful half.
 Each item gets its verdict in the :class:`BatchAck`: the hub's signed receipt (the same envelope
 for the items it covers: a receipt names every task it counts), or the refusal's code and
 message, exactly what the lone request would have answered.
@@ -104,8 +106,25 @@ async def accept_items(hub: Hub, peer: str, items: list[bytes], *, covered: bool
     if peer not in hub.nodes:  # before any work on the frames: a stranger costs no worker time
         raise NotAdmitted(_NOT_ADMITTED)
     ctx = CheckContext(peer, hub.intake.tasks_of(peer), hub.learner.version, hub.cfg.steps, covered=covered)
-    checked = await hub.intake_pool.check_many(items, ctx)
-    out: list[ItemOutcome | None] = [None] * len(items)
+    return await judge_checked(hub, peer, await hub.intake_pool.check_many(items, ctx))
+
+
+async def judge_batch_in_worker(hub: Hub, peer: str, data: bytes) -> bytes:
+    """The sealed BatchAck for one ResultBatch from ``peer``, the batch opened by an intake worker
+    (IntakePool.check_batch) instead of here; its replay step is the hub's, taken before any
+    item's verdict changes state. An Echo2Error refuses the batch whole, as in :func:`judge_batch`."""
+    if peer not in hub.nodes:  # before any work on the frame: a stranger costs no worker time
+        raise NotAdmitted(_NOT_ADMITTED)
+    ctx = CheckContext(peer, hub.intake.tasks_of(peer), hub.learner.version, hub.cfg.steps)
+    head, checked = await hub.intake_pool.check_batch(data, ctx)
+    check_replay(hub.replay, head, time.time())
+    return batch_ack(hub.identity, peer, await judge_checked(hub, peer, checked))
+
+
+async def judge_checked(hub: Hub, peer: str, checked: list[Checked | Echo2Error]) -> list[ItemOutcome]:
+    """Each checked item of ``peer``'s judged in turn (the stateful half): its sealed receipt, or
+    the Echo2Error that refuses it."""
+    out: list[ItemOutcome | None] = [None] * len(checked)
     taken: list[_Taken] = []
     node: NodeInfo | None = None
     # one batch judged at a time (cpugate.py), and whole: with the loop let run between two items,
@@ -134,7 +153,7 @@ async def accept_items(hub: Hub, peer: str, items: list[bytes], *, covered: bool
         assert node is not None
         await _accept(hub, peer, node, plain, out)
     done = [o for o in out if o is not None]
-    assert len(done) == len(items)
+    assert len(done) == len(checked)
     return done
 
 
@@ -236,8 +255,13 @@ async def judge_batch(identity: Identity, peer: str, data: bytes, *, replay: env
     batch = envelope.open_envelope(data, ResultBatch, replay=replay, allowed=allowed, max_size=MAX_RESULT).message
     if batch.node_id != peer:
         raise MeaningError("result batch names another node")
+    return batch_ack(identity, peer, await judge_items(peer, batch.results))
+
+
+def batch_ack(identity: Identity, peer: str, outcomes: list[ItemOutcome]) -> bytes:
+    """The sealed BatchAck stating each item's outcome, in order."""
     verdicts = []
-    for i, o in enumerate(await judge_items(peer, batch.results)):
+    for i, o in enumerate(outcomes):
         if isinstance(o, bytes):
             verdicts.append(BatchVerdict(accepted=True, code="ok", message="", receipt=o))
         elif isinstance(o, Echo2Error):

@@ -48,7 +48,7 @@ from echo2.protocol.net.dataplane import DataPlaneServer
 from echo2.protocol.wire import WORK_POLL_S
 
 from .admission_gate import AdmissionGate, AdmissionLimits, known_peers
-from .batchintake import accept_items, channel_offer, judge_batch
+from .batchintake import accept_items, channel_offer, judge_batch, judge_batch_in_worker
 from .broadcast import PeerInfo, PipelinedSender, StarWithHolds
 from .config import HubConfig, render_config
 from .curves import HubCurves
@@ -289,6 +289,8 @@ class Hub:
 
     async def on_results(self, peer: str, data: bytes) -> bytes:
         """A ResultBatch: its items judged together, one verdict each (batchintake.py)."""
+        if self.intake_pool.workers:
+            return await judge_batch_in_worker(self, peer, data)
         return await judge_batch(self.identity, peer, data, replay=self.replay, allowed=self._signed_by(peer),
                                  judge_items=lambda p, items: accept_items(self, p, items, covered=True))
 

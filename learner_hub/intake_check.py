@@ -24,6 +24,7 @@ import numpy as np
 
 from echo2.protocol import envelope
 from echo2.protocol import errors as perrors
+from echo2.protocol.batchmessages import ResultBatch
 from echo2.protocol.errors import Echo2Error, Expired, MeaningError
 from echo2.protocol.messages import Completion, Result
 from echo2.protocol.packedresult import PackedCompletion, PackedResult, logprob_array, token_array
@@ -322,6 +323,17 @@ def open_result(raw: bytes, peer: str, *, now: float | None = None, covered: boo
                                   covered=covered)
 
 
+def open_batch(raw: bytes, peer: str, *, now: float | None = None) -> envelope.Verified[ResultBatch]:
+    """A ResultBatch's envelope steps on ``raw`` but replay (the hub's state: it applies
+    :func:`check_replay` to what this returns), and the batch must name ``peer``: the opened batch,
+    or the Echo2Error raised. Its items are then opened ``covered`` (:func:`open_result`)."""
+    allowed: Callable[[str, type], bool] = lambda signer, _t: signer == peer  # noqa: E731
+    batch = envelope.open_envelope(raw, ResultBatch, now=now, replay=None, allowed=allowed, max_size=MAX_RESULT)
+    if batch.message.node_id != peer:
+        raise MeaningError("result batch names another node")
+    return batch
+
+
 def find_many(opened: Sequence[envelope.Verified[AnyResult]], peer: str, tasks: dict[str, TaskView], lim: Limits,
               decode_batch: Callable[[list[list[int]]], list[str]]) -> list[Findings]:
     """The findings on results opened by :func:`open_result` (one node's batch): the packed ones
@@ -348,14 +360,22 @@ def find_many(opened: Sequence[envelope.Verified[AnyResult]], peer: str, tasks: 
     return out
 
 
-def check_replay(replay: ReplayCheck | None, f: Findings, now: float) -> None:
+class BatchHead(NamedTuple):
+    """A ResultBatch's envelope, opened by an intake worker: what the hub's replay step reads."""
+
+    signer: str
+    nonce: bytes
+    expires: float
+
+
+def check_replay(replay: ReplayCheck | None, f: Findings | BatchHead, now: float) -> None:
     """The envelope's replay step (6), applied by the hub to findings that came back: the same
     rule as :func:`echo2.protocol.envelope.open_envelope` (an expiry beyond the window is refused,
     then the nonce must be new)."""
     if replay is None:
         return
     if f.expires > now + replay.window_s:
-        raise Expired(f"result from {f.signer} expires {f.expires - now:.0f}s from now, "
+        raise Expired(f"{'result batch' if isinstance(f, BatchHead) else 'result'} from {f.signer} expires {f.expires - now:.0f}s from now, "
                       f"beyond the {replay.window_s:.0f}s replay window")
     replay.check_and_add(f.signer, f.nonce, f.expires, now)
 

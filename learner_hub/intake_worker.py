@@ -41,7 +41,7 @@ import msgspec
 from echo2.protocol.errors import Echo2Error
 
 from .intake import sample_of
-from .intake_check import Findings, Limits, TaskView, error_to_wire, find_many, open_result
+from .intake_check import Findings, Limits, TaskView, error_to_wire, find_many, open_batch, open_result
 from .recipe import PromptItem
 from .rewards import (
     Batch,
@@ -95,6 +95,10 @@ class CheckContext(NamedTuple):
     score: bool = True
     # the frames are items of a ResultBatch the hub verified, signed by ``peer`` (open_result's covered)
     covered: bool = False
+    # the one frame is a whole sealed ResultBatch: this worker opens it (signature over its raw
+    # bytes, signer ``peer``, expiry, schema) and then its items (covered); its replies are the
+    # batch's head (:attr:`Reply.batch`, or the batch's error) followed by one per item
+    batch: bool = False
 
 
 class Reply(NamedTuple):
@@ -108,6 +112,8 @@ class Reply(NamedTuple):
     # the scored rows as the store keeps them (rows.encode_groups after apply_scores): the
     # canonical encoding was ~12% of the hub's CPU per small result once checks moved here
     payload: bytes | None = None
+    # a ResultBatch opened here: (signer, nonce, expires) of its envelope, for the hub's replay step
+    batch: tuple[str, bytes, float] | None = None
 
 
 def tokenizer_decode_batch(tok: Any) -> Callable[[list[list[int]]], list[str]]:
@@ -200,9 +206,21 @@ def handle_groups(requests: Sequence[tuple[Sequence[bytes], CheckContext]], lim:
     the scoring in the hub; coalesced, 111 (the hub's 22.9 in the same run). A function that fails on a call fails for all of its rows; its failures
     ride on the first scored item's reply of that call."""
     replies: list[list[Reply]] = []
+    heads: list[Reply | None] = []
     todo: list[tuple[int, int, Findings, list[Group]]] = []
     for r, (raws, req) in enumerate(requests):
         mine: list[Reply] = []
+        head: Reply | None = None
+        if req.batch:
+            try:
+                batch = open_batch(raws[0], req.peer)
+            except Echo2Error as exc:
+                heads.append(Reply(error=error_to_wire(exc)))
+                replies.append(mine)
+                continue
+            head, raws = Reply(batch=(batch.signer, batch.nonce, batch.expires)), batch.message.results
+            req = req._replace(covered=True)
+        heads.append(head)
         opened: list[tuple[int, Any]] = []
         for i, raw in enumerate(raws):
             try:
@@ -222,8 +240,15 @@ def handle_groups(requests: Sequence[tuple[Sequence[bytes], CheckContext]], lim:
             groups = [Group(list(p), [sample_of(s, f.version, req.peer) for s in ss])
                       for p, ss in zip(task.prompts, f.samples, strict=True)]
             todo.append((r, i, f, groups))
-    if not todo or rewards is None:
-        return replies
+    if todo and rewards is not None:
+        _score_groups(requests, todo, replies, rewards)
+    return [mine if head is None else [head, *mine] for head, mine in zip(heads, replies, strict=True)]
+
+
+def _score_groups(requests: Sequence[tuple[Sequence[bytes], CheckContext]], todo: list[tuple[int, int, Findings, list[Group]]],
+                  replies: list[list[Reply]], rewards: SyncRewards) -> None:
+    """``todo``'s rows scored, one call of each reward function per trainer state; each item's
+    reply in ``replies`` gets its rewards and the rows' stored form."""
     by_state: dict[tuple[int, int], list[tuple[int, int, Findings, list[Group]]]] = {}
     for item in todo:
         req = requests[item[0]][1]
@@ -246,7 +271,6 @@ def handle_groups(requests: Sequence[tuple[Sequence[bytes], CheckContext]], lim:
             # the texts went into the rewards; the hub has no use for them
             replies[r][i] = Reply(findings=_without_texts(f), scored=(got.rewards, got.reasons, got.parts),
                                   failures=failures if n == 0 else (), payload=encode_groups(kept))
-    return replies
 
 
 def _without_texts(f: Findings) -> Findings:
@@ -297,7 +321,7 @@ def main(sock: socket.socket, spec: WorkerSpec) -> None:
                 at += n
             requests.append((raws, req))
         replies = handle_groups(requests, spec.limits, decode_batch, rewards)
-        out = _ENCODER.encode([x for mine in replies for x in mine])
+        out = _ENCODER.encode(replies)  # one list per request entry (a batch's: its head, then its items)
         sock.sendall(_ONE.pack(len(out)) + out)
     # reward threads of abandoned (hung) calls would keep a normal exit waiting
     os._exit(0)

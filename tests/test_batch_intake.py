@@ -195,3 +195,45 @@ def test_a_batch_signature_covers_its_items_and_their_signer_must_be_the_node(tm
     finally:
         hub.intake_pool.close()
         hub.store.close()
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_a_batch_is_refused_whole_when_replayed_misnamed_or_foreign(tmp_path: Path, workers: int) -> None:
+    """With workers the batch frame is opened in one of them and only its replay step is the hub's:
+    the answers are those of the hub opening it itself (workers 0). A batch sent again is a
+    replay, refused whole, its items' results counted once; one naming another node, or signed by
+    a key that is not the node's, is refused whole too."""
+    hub, node, tasks = _hub_with_tasks(tmp_path, workers, 2)
+    other = Identity.generate()
+    try:
+        items = [envelope.seal(node, answer(t, node)) for t in tasks]
+
+        def refused(frame: bytes) -> str:
+            with pytest.raises(Exception) as exc:
+                trio.run(hub.on_results, node.peer_id, frame)
+            return str(getattr(exc.value, "code", repr(exc.value)))
+
+        misnamed = envelope.seal(node, ResultBatch(node_id=other.peer_id, results=items))
+        foreign = envelope.seal(other, ResultBatch(node_id=node.peer_id, results=items))
+        assert refused(misnamed) == "meaning"
+        assert refused(foreign) == "signer_not_allowed"
+        batch = envelope.seal(node, ResultBatch(node_id=node.peer_id, results=items))
+        ack = envelope.open_envelope(trio.run(hub.on_results, node.peer_id, batch), BatchAck, replay=None).message
+        assert [v.accepted for v in ack.verdicts] == [True, True]
+        assert refused(batch) == "replay"
+        assert hub.nodes[node.peer_id].tasks_done == 2
+        assert len(_rows(hub, "SELECT task_id FROM results WHERE accepted = 1")) == 2
+    finally:
+        hub.intake_pool.close()
+        hub.store.close()
+
+
+def test_a_batch_counts_against_the_pool_bounds_by_its_bytes() -> None:
+    from echo2.learner_hub.intake_pool import BATCH_BYTES_PER_RESULT, batch_units
+    from echo2.protocol.batchmessages import MAX_BATCH_RESULTS
+
+    assert batch_units(0) == 1
+    assert batch_units(BATCH_BYTES_PER_RESULT) == 1
+    assert batch_units(BATCH_BYTES_PER_RESULT + 1) == 2
+    assert batch_units(8 * 6_200) == 13  # eight small results: a node's two batches fit its bound
+    assert batch_units(64 * 1024 * 1024) == MAX_BATCH_RESULTS
