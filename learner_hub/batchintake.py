@@ -36,15 +36,13 @@ from echo2.protocol.batchmessages import (
     BatchAck,
     BatchVerdict,
     ChannelOffer,
-    ResultBatch,
 )
 from echo2.protocol.errors import Echo2Error, MeaningError, NotAdmitted
 from echo2.protocol.identity import Identity
 from echo2.protocol.nodemessages import MAX_RECEIPT_TASKS
-from echo2.protocol.wire import MAX_RESULT
 
 from .intake import Accept, Punish
-from .intake_check import check_replay
+from .intake_check import check_replay, open_batch
 from .intake_pool import Checked
 from .intake_worker import CheckContext
 from .receipts import make_batch_receipt, seal_receipt
@@ -252,9 +250,7 @@ async def _accept(hub: Hub, peer: str, node: NodeInfo, plain: list[_Taken], out:
 async def judge_batch(identity: Identity, peer: str, data: bytes, *, replay: envelope.PeerReplay, allowed: Allowed,
                       judge_items: JudgeItems) -> bytes:
     """The sealed BatchAck for one ResultBatch from ``peer``; an Echo2Error refuses the batch whole."""
-    batch = envelope.open_envelope(data, ResultBatch, replay=replay, allowed=allowed, max_size=MAX_RESULT).message
-    if batch.node_id != peer:
-        raise MeaningError("result batch names another node")
+    batch = open_batch(data, peer, replay=replay, allowed=allowed).message
     return batch_ack(identity, peer, await judge_items(peer, batch.results))
 
 

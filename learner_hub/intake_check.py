@@ -323,12 +323,15 @@ def open_result(raw: bytes, peer: str, *, now: float | None = None, covered: boo
                                   covered=covered)
 
 
-def open_batch(raw: bytes, peer: str, *, now: float | None = None) -> envelope.Verified[ResultBatch]:
-    """A ResultBatch's envelope steps on ``raw`` but replay (the hub's state: it applies
-    :func:`check_replay` to what this returns), and the batch must name ``peer``: the opened batch,
-    or the Echo2Error raised. Its items are then opened ``covered`` (:func:`open_result`)."""
-    allowed: Callable[[str, type], bool] = lambda signer, _t: signer == peer  # noqa: E731
-    batch = envelope.open_envelope(raw, ResultBatch, now=now, replay=None, allowed=allowed, max_size=MAX_RESULT)
+def open_batch(raw: bytes, peer: str, *, now: float | None = None, replay: ReplayCheck | None = None,
+               allowed: Callable[[str, type], bool] | None = None) -> envelope.Verified[ResultBatch]:
+    """A ResultBatch's envelope steps on ``raw`` (replay only when given: an intake worker has no
+    replay state, and the hub applies :func:`check_replay` to what it returns), signed by ``peer``
+    (or as ``allowed`` says), and the batch must name ``peer``: the opened batch, or the
+    Echo2Error raised. Its items are then opened ``covered`` (:func:`open_result`)."""
+    if allowed is None:
+        allowed = lambda signer, _t: signer == peer  # noqa: E731
+    batch = envelope.open_envelope(raw, ResultBatch, now=now, replay=replay, allowed=allowed, max_size=MAX_RESULT)
     if batch.message.node_id != peer:
         raise MeaningError("result batch names another node")
     return batch

@@ -376,7 +376,7 @@ class IntakePool:
         w.queued += units
         self._peers[ctx.peer] += units
         try:
-            replies = await self._ask(w, [frame], ctx._replace(batch=True, covered=True))
+            replies = await self._ask(w, [frame], ctx._replace(batch=True), units)  # covered once the worker verified it
         finally:
             w.queued -= units
             self._peers[ctx.peer] -= units
@@ -400,11 +400,11 @@ class IntakePool:
         scored = Scored(*reply.scored) if reply.scored is not None else None
         return Checked(reply.findings, scored, reply.failures, reply.payload)
 
-    async def _ask(self, w: _Worker, raws: list[bytes], ctx: CheckContext) -> list[Reply]:
+    async def _ask(self, w: _Worker, raws: list[bytes], ctx: CheckContext, units: int | None = None) -> list[Reply]:
         """The worker's replies to ``raws``. What queues on a busy worker goes in its next request
         together (:meth:`_take`): the first caller to get the slot sends its own frames and those
         of everyone waiting behind it, and each of them finds its replies when it gets the slot."""
-        entry = _Entry(raws, ctx, len(raws) if not ctx.batch else batch_units(len(raws[0])))
+        entry = _Entry(raws, ctx, len(raws) if units is None else units)
         w.pending.append(entry)
         w.lock = w.lock or trio.Lock()
         try:
