@@ -20,10 +20,10 @@ import trio
 from echo2.protocol.errors import Echo2Error
 
 from .config import ConfigError, HubConfig, check_lora, check_sampling
-from .dispatch import ReplayBuffer
 from .intake import TaskBook
 from .learner import Learner
 from .publisher import PolicyPublisher
+from .replay_buffer import ReplayBuffer
 from .rows import Group, decode_groups
 from .store import HubStore
 from .storeworker import StoreWorker
