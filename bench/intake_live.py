@@ -41,6 +41,12 @@ answered with a TaskBundle of up to that many); the heartbeat phase still asks f
 still issues, checks, scores and stores every task and result as in production. At N = 10,000 the
 pipeline is 80,000 groups in flight (more hub RSS than before, and a longer set-up).
 
+``--repeat R``: each fleet size measured R times, every worker count back to back within a
+repeat; the JSON's ``summary`` gives each figure's median, min and max, and the ratios are taken
+within each repeat, then their median. Why: on this shared 2-core machine the same code read
+0.59-0.83 ms per result from one run to the next (and 0.68-0.75 for the workers ratio), more than
+most changes it is used to judge.
+
 ``ECHO2_INTAKE_PROFILE=FILE`` (environment): the hub's trio thread is profiled with cProfile on
 its own CPU time (``time.thread_time``, so time spent waiting for a contended core is not
 counted) through the results phase (``ECHO2_INTAKE_PROFILE_PHASE=heartbeats`` or ``idle``: that
@@ -59,6 +65,7 @@ import gc
 import json
 import multiprocessing as mp
 import os
+import statistics
 import tempfile
 import time
 from collections import Counter
@@ -389,26 +396,86 @@ def _status_line(m: dict[str, float]) -> str:
             f" {m.get('longest_stretch_ms')} ms, {m.get('entries_rebuilt')} entries rebuilt")
 
 
+#: the figures summarised over repeats (median, min, max per fleet size and worker count)
+SUMMARISED = {
+    "results": ("accepted_per_s", "hub_cpu_ms_per_result", "hub_cpu_ms_per_result_net", "hub_process_cpu_ms_per_result",
+                "hub_loop_thread_cpu_ms_per_result", "loop_lag_p99_ms", "loop_lag_max_ms"),
+    "heartbeats": ("hub_cpu_ms_per_heartbeat", "hub_cpu_ms_per_heartbeat_net", "loop_lag_p99_ms", "loop_lag_max_ms"),
+    "idle": ("hub_cpu_ms_per_s", "loop_lag_p99_ms"),
+}
+
+
+def _spread(xs: list[float]) -> dict[str, float]:
+    return {"median": round(statistics.median(xs), 3), "min": round(min(xs), 3), "max": round(max(xs), 3), "n": len(xs)}
+
+
+def summarise(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """Median, min and max over repeats of each (nodes, intake_workers) cell, and the two ratios
+    the issue asks for, each taken within a repeat and then its median: with workers against
+    without at the same fleet size (measured back to back, so the machine's drift between repeats
+    cancels: one run's ratio was 0.68 and another's 0.75 on the same code), and the largest fleet
+    against the smallest."""
+    cells: dict[tuple[int, int], list[dict[str, Any]]] = {}
+    for row in rows:
+        cells.setdefault((row["nodes"], row["intake_workers"]), []).append(row)
+    summary = []
+    for (n, w), group in cells.items():
+        cell: dict[str, Any] = {"nodes": n, "intake_workers": w}
+        for phase, keys in SUMMARISED.items():
+            cell[phase] = {k: _spread([float(r[phase][k]) for r in group if r[phase].get(k) is not None])
+                           for k in keys if any(r[phase].get(k) is not None for r in group)}
+        summary.append(cell)
+    out: dict[str, Any] = {"summary": summary}
+
+    def ratios(pairs: list[tuple[float, float]]) -> dict[str, float] | None:
+        got = [a / b for a, b in pairs if a and b]
+        return _spread(got) if got else None
+
+    by = {(r["nodes"], r["intake_workers"], r.get("repeat", 0)): r["results"] for r in rows}
+    for n, w in cells:
+        if not w or (n, 0) not in cells:
+            continue
+        got = ratios([(res["hub_process_cpu_ms_per_result"], by[(n, 0, k)]["hub_process_cpu_ms_per_result"])
+                      for (m, v, k), res in by.items() if m == n and v == w and (n, 0, k) in by])
+        if got:
+            out.setdefault("ratio_hub_process_cpu_by_workers", {})[f"{n}:{w}/0"] = got["median"]
+            out.setdefault("ratio_hub_process_cpu_by_workers_spread", {})[f"{n}:{w}/0"] = got
+    sizes = sorted({n for n, _ in cells})
+    first_w = rows[0]["intake_workers"] if rows else 0
+    if len(sizes) >= 2:
+        lo, hi = sizes[0], sizes[-1]
+        got = ratios([(res["hub_cpu_ms_per_result"], by[(lo, first_w, k)]["hub_cpu_ms_per_result"])
+                      for (m, v, k), res in by.items() if m == hi and v == first_w and (lo, first_w, k) in by])
+        if got:
+            out["ratio_result_cpu"], out["ratio_result_cpu_spread"] = got["median"], got
+    return out
+
+
 def run_live(args: argparse.Namespace) -> int:
     sizes = [int(x) for x in str(args.nodes).split(",") if x.strip()]
     worker_counts = [int(x) for x in str(getattr(args, "workers", "0")).split(",") if x.strip()] or [0]
+    repeats = max(1, int(getattr(args, "repeat", 1)))
     rows = []
     for n in sizes:
-        for w in worker_counts:
-            row = run_size(n, args.clients, max(1, args.batch), args.duration, args.idle, w, getattr(args, "client_cpus", "none"),
-                           float(getattr(args, "reward_sleep", 0.0)))
-            rows.append(row)
-            r, h = row["results"], row["heartbeats"]
-            print(f"nodes={n:>6} clients={args.clients} batch={args.batch} workers={w}: {r['accepted_per_s']} accepted results/s,"
-                  f" hub CPU {r['hub_cpu_ms_per_result']} ms/result (net of idle {r['hub_cpu_ms_per_result_net']};"
-                  f" hub process alone {r['hub_process_cpu_ms_per_result']}, its loop thread {r['hub_loop_thread_cpu_ms_per_result']}),"
-                  f" {r['completions_per_result']} completions/result, {r['heartbeats']} heartbeats;"
-                  f" {h['hub_cpu_ms_per_heartbeat']} ms/heartbeat (net {h['hub_cpu_ms_per_heartbeat_net']});"
-                  f" loop lag p99 {r['loop_lag_p99_ms']} / {h['loop_lag_p99_ms']} ms, max {r['loop_lag_max_ms']} /"
-                  f" {h['loop_lag_max_ms']} ms; idle {row['idle']['hub_cpu_ms_per_s']} ms/s (loop lag p99"
-                  f" {row['idle']['loop_lag_p99_ms']} ms, max {row['idle']['loop_lag_max_ms']} ms);"
-                  f" status write max: {_status_line(r['status_write_max'])}; RSS {row['hub_rss_mb']} MB;"
-                  f" refused {r['refused']} errors {r['errors']} (admit {row['setup']['admit_s']} s)", flush=True)
+        # each repeat measures every worker count back to back: the ratios are taken within it
+        for k in range(repeats):
+            for w in worker_counts:
+                row = run_size(n, args.clients, max(1, args.batch), args.duration, args.idle, w,
+                               getattr(args, "client_cpus", "none"), float(getattr(args, "reward_sleep", 0.0)))
+                row["repeat"] = k
+                rows.append(row)
+                r, h = row["results"], row["heartbeats"]
+                print(f"nodes={n:>6} clients={args.clients} batch={args.batch} workers={w}"
+                      f"{f' (repeat {k + 1}/{repeats})' if repeats > 1 else ''}: {r['accepted_per_s']} accepted results/s,"
+                      f" hub CPU {r['hub_cpu_ms_per_result']} ms/result (net of idle {r['hub_cpu_ms_per_result_net']};"
+                      f" hub process alone {r['hub_process_cpu_ms_per_result']}, its loop thread"
+                      f" {r['hub_loop_thread_cpu_ms_per_result']}), {r['completions_per_result']} completions/result,"
+                      f" {r['heartbeats']} heartbeats; {h['hub_cpu_ms_per_heartbeat']} ms/heartbeat (net"
+                      f" {h['hub_cpu_ms_per_heartbeat_net']}); loop lag p99 {r['loop_lag_p99_ms']} / {h['loop_lag_p99_ms']} ms,"
+                      f" max {r['loop_lag_max_ms']} / {h['loop_lag_max_ms']} ms; idle {row['idle']['hub_cpu_ms_per_s']} ms/s"
+                      f" (loop lag p99 {row['idle']['loop_lag_p99_ms']} ms, max {row['idle']['loop_lag_max_ms']} ms);"
+                      f" status write max: {_status_line(r['status_write_max'])}; RSS {row['hub_rss_mb']} MB;"
+                      f" refused {r['refused']} errors {r['errors']} (admit {row['setup']['admit_s']} s)", flush=True)
     result: dict[str, Any] = {
         "bench": "intake", "mode": "live",
         "measures": __doc__.split("\n\n")[0] if __doc__ else "",
@@ -423,21 +490,25 @@ def run_live(args: argparse.Namespace) -> int:
                             "(see 'Task supply' in the module's docstring)"],
         "small_result": {"completions": SMALL_COMPLETIONS, "tokens_each": SMALL_TOKENS},
         "reward_sleep_s": float(getattr(args, "reward_sleep", 0.0)),
+        "repeats": repeats,
         "rows": rows,
-    }
-    by_w = {(row["nodes"], row["intake_workers"]): row["results"] for row in rows}
-    for (n, w), res in by_w.items():
-        base = by_w.get((n, 0))
-        if w and base and base["hub_process_cpu_ms_per_result"] and res["hub_process_cpu_ms_per_result"]:
-            ratio = round(res["hub_process_cpu_ms_per_result"] / base["hub_process_cpu_ms_per_result"], 3)
-            result.setdefault("ratio_hub_process_cpu_by_workers", {})[f"{n}:{w}/0"] = ratio
-            print(f"hub process CPU per result at {n} nodes, workers {w} / 0: {ratio}")
-    rows0 = [row for row in rows if row["intake_workers"] == worker_counts[0]]
-    if len(rows0) >= 2:
-        a, b = rows0[0]["results"], rows0[-1]["results"]
-        if a["hub_cpu_ms_per_result"] and b["hub_cpu_ms_per_result"]:
-            result["ratio_result_cpu"] = round(b["hub_cpu_ms_per_result"] / a["hub_cpu_ms_per_result"], 3)
-            print(f"hub CPU per result, {rows0[-1]['nodes']} / {rows0[0]['nodes']} nodes: {result['ratio_result_cpu']}")
+    } | summarise(rows)
+    if repeats > 1:
+        for cell in result["summary"]:
+            r, h = cell["results"], cell["heartbeats"]
+            print(f"nodes={cell['nodes']:>6} workers={cell['intake_workers']}, median of {repeats} [min, max]:"
+                  f" hub CPU {r['hub_cpu_ms_per_result']['median']} ms/result"
+                  f" [{r['hub_cpu_ms_per_result']['min']}, {r['hub_cpu_ms_per_result']['max']}],"
+                  f" hub process {r['hub_process_cpu_ms_per_result']['median']},"
+                  f" {h['hub_cpu_ms_per_heartbeat']['median']} ms/heartbeat"
+                  f" [{h['hub_cpu_ms_per_heartbeat']['min']}, {h['hub_cpu_ms_per_heartbeat']['max']}],"
+                  f" loop lag p99 max over repeats {r['loop_lag_p99_ms']['max']} / {h['loop_lag_p99_ms']['max']} ms")
+    for key, ratio in result.get("ratio_hub_process_cpu_by_workers", {}).items():
+        n, w = key.split(":")[0], key.split(":")[1].split("/")[0]
+        print(f"hub process CPU per result at {n} nodes, workers {w} / 0{' (median over repeats)' if repeats > 1 else ''}: {ratio}")
+    if "ratio_result_cpu" in result:
+        print(f"hub CPU per result, {max(sizes)} / {min(sizes)} nodes{' (median over repeats)' if repeats > 1 else ''}:"
+              f" {result['ratio_result_cpu']}")
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=2))
     return 0

@@ -80,3 +80,31 @@ def test_size_ratio_is_per_worker_count() -> None:
     out = bench_intake.size_ratios(rows, [0, 2])
     assert out["ratio_result_cpu_by_size"] == {"0": {"loop": 1.5, "process": 1.5}, "2": {"loop": 1.5, "process": 3.0}}
     assert (out["ratio_result_loop_cpu"], out["ratio_result_process_cpu"]) == (1.5, 1.5)
+
+
+def test_live_summary_takes_ratios_within_a_repeat() -> None:
+    """``--repeat 2 --workers 0,2``: each cell's median/min/max over its repeats, and the
+    workers-over-none ratio taken within each repeat (back-to-back runs) before its median, so a
+    repeat the machine ran slow in whole does not skew it."""
+    from echo2.bench.intake_live import summarise
+
+    def row(n: int, w: int, k: int, proc: float, hb: float) -> dict[str, object]:
+        return {"nodes": n, "intake_workers": w, "repeat": k,
+                "results": {"accepted_per_s": 100.0, "hub_cpu_ms_per_result": proc, "hub_process_cpu_ms_per_result": proc,
+                            "loop_lag_p99_ms": 5.0 + k},
+                "heartbeats": {"hub_cpu_ms_per_heartbeat": hb, "loop_lag_p99_ms": 1.0},
+                "idle": {"hub_cpu_ms_per_s": 3.0, "loop_lag_p99_ms": None}}
+
+    # repeat 1 ran on a machine twice as slow: per-cell medians mix the two, the ratio does not
+    rows = [row(100, 0, 0, 1.0, 0.3), row(100, 2, 0, 0.5, 0.2), row(100, 0, 1, 2.0, 0.5), row(100, 2, 1, 1.0, 0.4),
+            row(1000, 0, 0, 1.1, 0.3), row(1000, 0, 1, 2.4, 0.5)]
+    out = summarise(rows)
+    cells = {(c["nodes"], c["intake_workers"]): c for c in out["summary"]}
+    assert set(cells) == {(100, 0), (100, 2), (1000, 0)}
+    assert cells[(100, 0)]["results"]["hub_cpu_ms_per_result"] == {"median": 1.5, "min": 1.0, "max": 2.0, "n": 2}
+    assert cells[(100, 2)]["heartbeats"]["hub_cpu_ms_per_heartbeat"]["median"] == 0.3
+    assert cells[(100, 0)]["results"]["loop_lag_p99_ms"]["max"] == 6.0
+    assert "loop_lag_p99_ms" not in cells[(100, 0)]["idle"]  # never measured: no figure invented
+    assert out["ratio_hub_process_cpu_by_workers"] == {"100:2/0": 0.5}
+    assert out["ratio_hub_process_cpu_by_workers_spread"]["100:2/0"]["n"] == 2
+    assert out["ratio_result_cpu"] == 1.15  # (1.1 / 1.0 + 2.4 / 2.0) / 2
