@@ -246,8 +246,6 @@ class Hub:
         admitted, reason = await self.fleet.admit(peer, req.join_token, req.announce, time.time())
         if admitted:
             self.admission_gate.admitted(peer)
-            for replay in (self.replay, self.gossip_replay):  # a guard per admitted signer (PeerReplay.fit)
-                replay.fit(len(self.nodes))
         decision = AdmissionDecision(peer_id=peer, admitted=admitted, reason=reason, hub_data_addr=self.data_addr,
                                      current_version=self.publisher.latest_version, staleness=self.cfg.staleness)
         return envelope.seal(self.identity, decision)

@@ -67,24 +67,3 @@ def test_a3_admission_flood_from_fresh_keys_refuses_no_honest_message(hub: Hub) 
         request_admission(hub, late, token)
     except Echo2Error as exc:
         assert not isinstance(exc, Replay), exc
-
-
-def test_replay_state_grows_with_the_admitted_fleet(hub: Hub) -> None:
-    """More admitted nodes than the replay pool's initial signers (2 here, 512 by default against
-    fleets of 10,000): each admission fits the pool to the fleet, so every admitted node's nonces
-    stay remembered and a replayed message of any of them is refused."""
-    hub.replay = envelope.PeerReplay(max_peers=2)
-    token = make_join_token(hub.identity, ttl_s=3600, now=time.time())
-    nodes = [Identity.generate() for _ in range(6)]
-    for node in nodes:
-        assert request_admission(hub, node, token).admitted
-    assert hub.replay.max_peers >= len(nodes) + 2
-    sealed = []
-    for i, node in enumerate(nodes):
-        decline = TaskDecline(task_id=f"t{i}", task_hash=bytes(32), node_id=node.peer_id, reason_code="busy", reason="")
-        sealed.append(envelope.seal(node, decline))
-        trio.run(hub.on_decline, node.peer_id, sealed[-1])
-    for node, data in zip(nodes, sealed, strict=True):
-        with pytest.raises(Replay):
-            trio.run(hub.on_decline, node.peer_id, data)
-    assert hub.replay.dropped_peers == 0
