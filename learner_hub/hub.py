@@ -90,6 +90,9 @@ WORK_GATE = 8
 #: tasks a pump issues in one pass of the loop at most while the housekeeping runs (~40-70 us each:
 #: a few ms); the rest on the next passes (Outbox.pump_slice)
 PUMP_SLICE = 64
+#: prompt groups a refill draws in one pass of the loop at most while the housekeeping runs
+#: (~10-15 us each: ~1 ms); the rest on the next passes (Outbox.refill_slice)
+REFILL_SLICE = 64
 
 
 class Hub:
@@ -432,14 +435,14 @@ class Hub:
     async def issue_slices(self) -> None:
         """While it runs, a pump issues PUMP_SLICE tasks at most and this pumps the rest, a slice
         per pass of the loop (each wait on the event is a checkpoint)."""
-        self.outbox.pump_slice = PUMP_SLICE
+        self.outbox.pump_slice, self.outbox.refill_slice = PUMP_SLICE, REFILL_SLICE
         try:
             while True:
                 await self._more_to_pump.wait()
                 self._more_to_pump = trio.Event()
-                self._pump()
+                self.outbox.next_slice()
         finally:
-            self.outbox.pump_slice = None
+            self.outbox.pump_slice = self.outbox.refill_slice = None
 
     async def _housekeeping(self) -> None:
         tick = 0

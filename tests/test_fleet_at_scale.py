@@ -18,7 +18,7 @@ import trio.abc
 
 from echo2.learner_hub import fleet
 from echo2.learner_hub.config import HubConfig
-from echo2.learner_hub.hub import PUMP_SLICE, WORK_GATE, Hub
+from echo2.learner_hub.hub import PUMP_SLICE, REFILL_SLICE, WORK_GATE, Hub
 from echo2.protocol import envelope
 from echo2.protocol.identity import Identity
 from echo2.protocol.messages import Announce, Heartbeat, Task
@@ -290,3 +290,42 @@ def test_closed_tasks_issue_prices_are_dropped_in_bulk() -> None:
     book.forget_tasks(in_flight)
     assert set(book._tasks) == set(in_flight) and len(in_flight) == 2700
     assert book.task_price("t4999", "p") == 1.0
+
+
+def test_a_refill_draws_a_slice_of_prompts_per_pass_of_the_loop(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A refill after a learner step draws a whole batch of prompt groups (~10-15 us each); while
+    the housekeeping runs (Hub.issue_slices) it draws REFILL_SLICE at most in one pass of the loop
+    and the rest follows a slice per pass, until the pipeline holds what an unbounded refill
+    would have queued."""
+    want = 6 * REFILL_SLICE + 5
+    hub = Hub(HubConfig(dir=str(tmp_path), prompts_per_step=want, group_size=2, max_new_tokens=8, staleness=1))
+    drawn: list[int] = []
+    real = hub.outbox.source.draw
+
+    def draw(n: int) -> list[object]:
+        drawn.append(n)
+        return real(n)  # type: ignore[return-value]
+
+    monkeypatch.setattr(hub.outbox.source, "draw", draw)
+
+    async def main() -> None:
+        await hub.publish()
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(hub.issue_slices)
+            await trio.sleep(0.01)
+            hub.outbox.feed()
+            assert drawn == [REFILL_SLICE]  # this pass: one slice, the rest on the next passes
+            with trio.fail_after(30):
+                while len(hub.dispatcher.queue) < want:
+                    await trio.sleep(0)
+            nursery.cancel_scope.cancel()
+
+    try:
+        trio.run(main)
+    finally:
+        hub.store.close()
+    assert len(hub.dispatcher.queue) == want == sum(drawn)
+    assert max(drawn) <= REFILL_SLICE and len(drawn) == 7, drawn
+    assert hub.outbox.refill_slice is None  # unbounded again once the slices' task is gone
+    hub.outbox.refill()
+    assert sum(drawn) == want  # nothing more is due
