@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 import trio
 
-from echo2.fsutil import atomic_write
+from echo2.fsutil import atomic_write, atomic_write_with
 
 from .status_http import StatusSnapshot, json_safe
 from .status_lists import StepLists
@@ -193,13 +193,13 @@ async def write_status_in_chunks(hub: Hub, path: Path, extra: dict[str, Any]) ->
         except ValueError:
             head = timed(strict_json, json_safe(small))
         steps = hub.status_lists.members(base)  # cached per entry: status_lists.py
-        body = timed(frags.body, peers)
+        body = frags.body(peers)  # parts joined apart: none a long C call (NodeFragments.body)
         start = ((head[:-1] + ", " if len(head) > 2 else "{") + (steps + ", " if steps else "")
                  + '"curves": ' + curves_text + ', "nodes": ')
-        data = timed(b"".join, (start.encode(), body, b"}"))
+        data = (start.encode(), *body, b"}")  # written, and served, part by part (NodeFragments.body)
         last_write["build_cpu_ms"] = round((time.thread_time() - t_build) * 1e3, 3)
         last_write["entries_rebuilt"] = rebuilt
-        atomic_write(path, data, durable=False)
+        atomic_write_with(path, lambda f: f.writelines(data), durable=False)
         # the page and /metrics read the first nodes and the count by state, not 10,000 entries:
         # keeping those alive between writes would leave the collector more to scan on the loop
         page = base | {"curves": curves, "nodes": frags.first(peers, PAGE_NODES), "node_count": len(peers),

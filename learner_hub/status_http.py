@@ -335,7 +335,7 @@ class StatusSnapshot:
     """One status as the hub's writer produced it: the JSON bytes it wrote, the same as a dict
     (for the page and /metrics; never changed after), and when (``time.time()``)."""
 
-    body: bytes
+    body: tuple[bytes, ...]  # the file's parts, in order (status_nodes.NodeFragments.body says why)
     status: Mapping[str, Any]
     written_at: float
 
@@ -372,14 +372,17 @@ def host_name(header: bytes) -> str | None:
 @dataclass(frozen=True)
 class Response:
     status: int
-    body: bytes
+    body: bytes | tuple[bytes, ...]  # parts: sent one by one, never joined (a 4 MB status.json)
     content_type: str = "text/plain; charset=utf-8"
     extra: Sequence[tuple[str, str]] = ()
+
+    def parts(self) -> tuple[bytes, ...]:
+        return (self.body,) if isinstance(self.body, bytes) else self.body
 
     def headers(self) -> list[tuple[str, str]]:
         return [
             ("Content-Type", self.content_type),
-            ("Content-Length", str(len(self.body))),
+            ("Content-Length", str(sum(map(len, self.parts())))),
             ("Connection", "close"),
             ("Cache-Control", "no-store"),
             ("X-Content-Type-Options", "nosniff"),
@@ -492,12 +495,14 @@ class StatusServer:
         head = h11.Response(status_code=resp.status, headers=resp.headers(),
                             reason=_REASONS.get(resp.status, "Error").encode())
         # a response to HEAD carries its headers only (h11 enforces it)
-        body = () if isinstance(got, h11.Request) and got.method == b"HEAD" else (h11.Data(data=resp.body),)
-        data = b"".join(conn.send(ev) or b"" for ev in (head, *body, h11.EndOfMessage()))
+        body = () if isinstance(got, h11.Request) and got.method == b"HEAD" else tuple(h11.Data(data=p) for p in resp.parts())
         if resp.status == 200:
-            await stream.send_all(data)
+            # part by part: joined, a 4 MB status.json was one copy on the loop (NodeFragments.body)
+            for ev in (head, *body, h11.EndOfMessage()):
+                if out := conn.send(ev):
+                    await stream.send_all(out)
         else:  # the client may still be sending (a POST body): do not reset the connection on it
-            await self._refuse_and_drain(stream, data)
+            await self._refuse_and_drain(stream, b"".join(conn.send(ev) or b"" for ev in (head, *body, h11.EndOfMessage())))
 
     async def _refuse_and_drain(self, stream: trio.abc.Stream, data: bytes) -> None:
         # Closing a socket with unread input makes the kernel send RST, which can destroy the

@@ -22,7 +22,7 @@ from test_hub_results import admit
 from echo2.learner_hub.hub import Hub
 from echo2.learner_hub.hubstatus import node_entry
 from echo2.learner_hub.reputation import Event
-from echo2.learner_hub.status_nodes import NodeFragments
+from echo2.learner_hub.status_nodes import BODY_PART, NodeFragments
 from echo2.protocol.identity import Identity
 
 
@@ -31,12 +31,16 @@ def _entry(p: str, rate: float | None = 0.0, state: str = "active", **kw: Any) -
     return {"peer_id": p, "state": state, "tokens_per_s_1m": rate, "tokens_per_s_5m": rate, **kw}, billed
 
 
+def _listed(f: NodeFragments, peers: list[str]) -> Any:
+    return json.loads(b"".join(f.body(peers)))
+
+
 def test_fragments_rebuild_what_changed_joined_or_is_due() -> None:
     f = NodeFragments(refresh_s=10.0)
     peers = ["a", "b", "c"]
     assert f.select(0.0, peers, [], key=1) == {"a", "b", "c"}  # the first write: everything
     f.update([_entry("a"), _entry("b", rate=None), _entry("c", billed=True)], 0.0)
-    assert json.loads(f.body(peers)) == [_entry(p, rate=None if p == "b" else 0.0)[0] for p in peers]
+    assert _listed(f, peers) == [_entry(p, rate=None if p == "b" else 0.0)[0] for p in peers]
     assert f.select(1.0, peers, [], key=1) == set()  # nothing changed, nothing due yet
     assert f.select(2.0, peers, ["a"], key=1) == {"a"}
     f.update([_entry("a", tokens=5)], 2.0)
@@ -59,9 +63,22 @@ def test_fragments_reuse_the_joined_list_until_an_entry_changes() -> None:
     f.update([_entry("a"), _entry("b")], 0.0)
     one = f.body(["a", "b"])
     assert f.body(["a", "b"]) is one  # nothing changed: the same bytes
-    assert json.loads(f.body(["b"])) == [_entry("b")[0]]  # another list: joined anew
+    assert _listed(f, ["b"]) == [_entry("b")[0]]  # another list: joined anew
     f.update([_entry("a", tokens=1)], 1.0)
-    assert json.loads(f.body(["a", "b"]))[0]["tokens"] == 1
+    assert _listed(f, ["a", "b"])[0]["tokens"] == 1
+
+
+def test_fragments_join_the_list_in_parts() -> None:
+    """The list of a large fleet comes as parts of BODY_PART entries (each joined apart, none a
+    long C call): in order, and together the JSON list of every entry."""
+    f = NodeFragments()
+    peers = [f"n{i}" for i in range(2 * BODY_PART + 3)]
+    f.update([_entry(p) for p in peers], 0.0)
+    parts = f.body(peers)
+    assert len(parts) == 4 and parts[-1] == b"]"
+    assert max(p.count(b'"peer_id"') for p in parts) == BODY_PART
+    assert [e["peer_id"] for e in _listed(f, peers)] == peers
+    assert _listed(f, []) == []
 
 
 def test_fragments_forget_departed_nodes_when_they_are_many() -> None:
@@ -78,7 +95,7 @@ def test_fragments_forget_departed_nodes_when_they_are_many() -> None:
 def test_fragments_strict_json() -> None:
     f = NodeFragments()
     f.update([_entry("a", staleness_mean=float("nan"))], 0.0)
-    assert json.loads(f.body(["a"]))[0]["staleness_mean"] is None
+    assert _listed(f, ["a"])[0]["staleness_mean"] is None
 
 
 TIME_FIELDS = ("as_of", "cost_usd", "tokens_per_s_1m", "tokens_per_s_5m")
