@@ -496,13 +496,14 @@ class StatusServer:
                             reason=_REASONS.get(resp.status, "Error").encode())
         # a response to HEAD carries its headers only (h11 enforces it)
         body = () if isinstance(got, h11.Request) and got.method == b"HEAD" else tuple(h11.Data(data=p) for p in resp.parts())
+        events = (head, *body, h11.EndOfMessage())
         if resp.status == 200:
             # part by part: joined, a 4 MB status.json was one copy on the loop (NodeFragments.body)
-            for ev in (head, *body, h11.EndOfMessage()):
+            for ev in events:
                 if out := conn.send(ev):
                     await stream.send_all(out)
         else:  # the client may still be sending (a POST body): do not reset the connection on it
-            await self._refuse_and_drain(stream, b"".join(conn.send(ev) or b"" for ev in (head, *body, h11.EndOfMessage())))
+            await self._refuse_and_drain(stream, b"".join(conn.send(ev) or b"" for ev in events))
 
     async def _refuse_and_drain(self, stream: trio.abc.Stream, data: bytes) -> None:
         # Closing a socket with unread input makes the kernel send RST, which can destroy the
