@@ -125,20 +125,33 @@ async def judge_checked(hub: Hub, peer: str, checked: list[Checked | Echo2Error]
     out: list[ItemOutcome | None] = [None] * len(checked)
     taken: list[_Taken] = []
     node: NodeInfo | None = None
-    # one batch judged at a time (cpugate.py), and whole: with the loop let run between two items,
-    # a pump in between saw the node's slots freed one by one and woke its WORK ask with one task
-    # where a TaskBundle of all was due (tests/test_bench_intake.py: tasks_per_heartbeat 1.0)
-    async with hub.intake_pool.gate.held():
-        for i, c in enumerate(checked):
-            if isinstance(c, Exception):
-                out[i] = c
-                continue
-            try:
-                node, verdict, now = _judge(hub, peer, c)
-            except Echo2Error as exc:
-                out[i] = exc
-                continue
-            taken.append(_Taken(i, c, verdict, now))
+    # one batch judged at a time (cpugate.py), in slices: whole, a batch of 8 held the loop for
+    # 4-11 ms (`echo2 bench intake --nodes 10000 --batch 8`, trio instrument), the largest share of
+    # its lag p99. The loop runs between two slices, and a pump in between sees the node's slots
+    # freed one by one: the node's ``judging`` keeps its WORK ask asleep until the batch is judged,
+    # so it gets all that the batch freed in one TaskBundle, not one task (tasks_per_heartbeat)
+    asker = hub.nodes.get(peer)
+    if asker is not None:
+        asker.judging += 1
+    try:
+        async with hub.intake_pool.gate.held() as gate:
+            for i, c in enumerate(checked):
+                if i:
+                    await gate.tick()
+                if isinstance(c, Exception):
+                    out[i] = c
+                    continue
+                try:
+                    node, verdict, now = _judge(hub, peer, c)
+                except Echo2Error as exc:
+                    out[i] = exc
+                    continue
+                taken.append(_Taken(i, c, verdict, now))
+    finally:
+        if asker is not None:
+            asker.judging -= 1
+            if not asker.judging and asker.mailbox:
+                asker.wakeup.set()
     evals = [t for t in taken if hub.dispatcher.eval_handled(t.checked.findings.task_id)]
     plain = [t for t in taken if t not in evals]
     for t in evals:  # rare (a few per evaluation): the lone path, each with its own receipt
@@ -191,17 +204,21 @@ async def _accept(hub: Hub, peer: str, node: NodeInfo, plain: list[_Taken], out:
         rows_of = await _score_all(hub, plain)
         # one batch's bookkeeping at a time (cpugate.py): 32 of them finishing their scoring in
         # the same pass of the loop ran back to back; taken before the ban check below
-        async with hub.intake_pool.gate.held():
-            banned = peer in hub.fleet.banned  # banned while its rows were scored: drop_rows_of has run already
+        async with hub.intake_pool.gate.held() as gate:
             records = []
             for k, t in enumerate(plain):
+                if k:  # the rows' encoding in slices (with workers 0, 8 of them were ~2 ms of one step)
+                    await gate.tick()
                 f, payload = t.checked.findings, t.checked.payload  # an intake worker encoded the same rows (or None)
-                if banned:
-                    rows_of[k], payload = [], None
-                rows = rows_of[k]
                 records.append(Accepted(f.task_id, peer, f.version, f.tokens, f.n_completions, t.now,
-                                        encode_groups(rows) if payload is None else payload,
+                                        encode_groups(rows_of[k]) if payload is None else payload,
                                         hub.fleet.task_price_micro(f.task_id, peer)))
+            # from here to the store's request in one step: banned while its rows were scored or
+            # encoded, drop_rows_of has run already, and none of them may reach the trainer
+            if peer in hub.fleet.banned:
+                empty = encode_groups([])
+                rows_of = [[] for _ in plain]
+                records = [rec._replace(payload=empty) for rec in records]
             # store: the results and their ledger entries in one durable transaction, queued before
             # the rows can be trained (and marked so), committed before the node hears "accepted"
             pending = hub.store.request(HubStore.record_accepted_many, records)

@@ -62,6 +62,10 @@ class NodeInfo:
     refused: int = 0
     # why the node paused computing by its owner's preferences ("" = available); see set_paused
     paused: str = ""
+    # batches of this node's results being judged now: while > 0 a task issued to it waits in the
+    # mailbox without waking its WORK ask, which then takes all that the batch freed in one
+    # TaskBundle (batchintake.judge_checked, judged in slices)
+    judging: int = 0
 
     def __setattr__(self, name: str, value: Any) -> None:
         # who may get tasks depends on the version a node holds: the outbox re-checks only the

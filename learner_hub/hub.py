@@ -267,10 +267,11 @@ class Hub:
                 # a node with a task waiting takes it: what the pump would hand out is decided by the
                 # results, declines and steps that change it, each pumping (skipped: ~60 us a heartbeat)
                 self._pump()
-            if node.mailbox:  # answered on the same turn: a second turn cost a pass of the loop more
+            if node.mailbox and not node.judging:  # answered on the same turn: a second turn cost a pass of the loop more
                 return self.outbox.seal_some(node.mailbox, hb.queue_free)
         with trio.move_on_after(WORK_POLL_S):
-            while not node.mailbox:
+            # while a batch of its results is judged, what it frees comes in one answer at the end
+            while not node.mailbox or node.judging:
                 node.wakeup = trio.Event()
                 await node.wakeup.wait()
         async with self.work_gate:

@@ -112,7 +112,8 @@ class Outbox:
             self.fleet.task_issued(task.task_id, task.node_id)
             node = nodes[task.node_id]
             node.mailbox.append(task)
-            node.wakeup.set()
+            if not node.judging:  # else its batch's judging wakes it when done (all freed at once)
+                node.wakeup.set()
 
     def seal(self, task: Task) -> bytes:
         """The signed task, when its node takes it."""

@@ -25,6 +25,7 @@ import logging
 import math
 import numbers
 import sys
+from array import array
 from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -113,7 +114,7 @@ class Batch:
 
     items: list[PromptItem]
     texts: list[str]  # decoded completion, its stop token left out
-    completion_ids: list[list[int]]
+    completion_ids: list[Sequence[int]]
     finish_reasons: list[str]
 
     def __len__(self) -> int:
@@ -137,7 +138,8 @@ def reward_kwargs(batch: Batch, state: TrainerState) -> dict[str, Any]:
     kw: dict[str, Any] = {
         "prompts": [it.prompt if isinstance(it.prompt, str) else [dict(m) for m in it.prompt] for it in batch.items],
         "completions": completions,
-        "completion_ids": [list(c) for c in batch.completion_ids],
+        # TRL's lists, whatever the rows hold (a packed result's ids are an array: rows.Sample)
+        "completion_ids": [c.tolist() if isinstance(c, array) else list(c) for c in batch.completion_ids],
     }
     columns = dict.fromkeys(k for it in batch.items for k in it.row if k not in RESERVED)
     for k in columns:

@@ -92,7 +92,7 @@ def test_intake_judges_the_packed_form_as_the_list_form() -> None:
     items = [g.item for g in v.task.groups]
     assert v.texts == [[item] * 2 for item in items]  # the stop token is not in the text
     s = v.rows[0].samples[0]
-    assert s.token_ids == list(list_form.completions[0].token_ids) and s.finish_reason == "stop"
+    assert list(s.token_ids) == list(list_form.completions[0].token_ids) and s.finish_reason == "stop"
     assert list(s.logprobs) == [-0.5, -0.5] and s.packed is not None
 
 
