@@ -3,6 +3,7 @@ packed form next to the list form, and the store's packed payload."""
 
 from __future__ import annotations
 
+import gc
 import math
 
 import numpy as np
@@ -10,6 +11,7 @@ import pytest
 from test_intake import STOP, VOCAB, answer, issue, make_intake, submit
 
 from echo2.learner_hub.intake import Accept, Punish
+from echo2.learner_hub.rewards import TrainerState, batch_of, reward_kwargs
 from echo2.learner_hub.rows import Group, Sample, decode_groups, encode_groups
 from echo2.protocol import canonical, envelope
 from echo2.protocol.errors import DecodeError, SchemaError
@@ -94,6 +96,22 @@ def test_intake_judges_the_packed_form_as_the_list_form() -> None:
     s = v.rows[0].samples[0]
     assert list(s.token_ids) == list(list_form.completions[0].token_ids) and s.finish_reason == "stop"
     assert list(s.logprobs) == [-0.5, -0.5] and s.packed is not None
+
+
+def test_a_packed_samples_ids_are_no_container_for_the_collector_and_reward_functions_get_lists() -> None:
+    # a buffered sample is walked by every young collection until trained: one container, not
+    # three (an instance dict and a list of ids each counted), and TRL's completion_ids stay lists
+    intake = make_intake()
+    submit(intake, 2)
+    t = issue(intake)[0]
+    list_form = answer(t)
+    v = intake.judge(t.node_id, packed_answer(list_form), 1.0, 0)
+    assert isinstance(v, Accept)
+    s = v.rows[0].samples[0]
+    assert not hasattr(s, "__dict__") and not gc.is_tracked(s.token_ids) and not gc.is_tracked(s.logprobs)
+    kw = reward_kwargs(batch_of(v.rows, [g.item for g in v.task.groups], v.texts), TrainerState())
+    assert kw["completion_ids"][0] == list(list_form.completions[0].token_ids)
+    assert all(type(ids) is list and all(type(x) is int for x in ids) for ids in kw["completion_ids"])
 
 
 def test_intake_refuses_a_logprob_below_the_floor_in_either_form() -> None:
