@@ -163,8 +163,8 @@ def float32_array(data: bytes) -> array.array[float]:
 
 
 def int32_array(data: bytes) -> Sequence[int]:
-    """Little-endian int32 bytes as an ``array`` of 4-byte ints (one copy; not a GC-tracked
-    container, unlike a list of ints: rows.Sample)."""
+    """Little-endian int32 bytes as an ``array`` of 4-byte ints: one copy, and a garbage
+    collection's walk over it visits no element, where a list's visits every int (rows.Sample)."""
     if _I4 is None:
         return int32_list(data)
     a = array.array(_I4, data)

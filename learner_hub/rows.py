@@ -26,8 +26,8 @@ class Sample:
     until a step takes them, and every container among them is walked by each younger garbage
     collection meanwhile (at 10,000 nodes, ~650 results/s: gen-0 and gen-1 collections were ~90 us
     of the hub's CPU a result and up to 10 ms of its loop at once; `echo2 bench intake`, trio
-    instrument). An instance with a ``__dict__`` and a list of ids were three such containers a
-    completion; now one."""
+    instrument). The instance's ``__dict__`` was one more container to walk, and a list of ids
+    one whose walk visits each of its ints; an array's walk visits none."""
 
     # the completion's token ids: a list, or for a packed result an array('i') over the received
     # int32 bytes (one copy, no int objects; a reward function gets them as lists, rewards.py)

@@ -11,6 +11,7 @@ import pytest
 from test_intake import STOP, VOCAB, answer, issue, make_intake, submit
 
 from echo2.learner_hub.intake import Accept, Punish
+from echo2.learner_hub.recipe import PromptItem
 from echo2.learner_hub.rewards import TrainerState, batch_of, reward_kwargs
 from echo2.learner_hub.rows import Group, Sample, decode_groups, encode_groups
 from echo2.protocol import canonical, envelope
@@ -99,8 +100,9 @@ def test_intake_judges_the_packed_form_as_the_list_form() -> None:
 
 
 def test_a_packed_samples_ids_are_no_container_for_the_collector_and_reward_functions_get_lists() -> None:
-    # a buffered sample is walked by every young collection until trained: one container, not
-    # three (an instance dict and a list of ids each counted), and TRL's completion_ids stay lists
+    # a buffered sample is walked by every young collection until trained: no instance dict, and
+    # ids and log-probs whose traversal visits no element (a list of 64 ids visits 64 ints); TRL's
+    # completion_ids stay lists
     intake = make_intake()
     submit(intake, 2)
     t = issue(intake)[0]
@@ -108,8 +110,10 @@ def test_a_packed_samples_ids_are_no_container_for_the_collector_and_reward_func
     v = intake.judge(t.node_id, packed_answer(list_form), 1.0, 0)
     assert isinstance(v, Accept)
     s = v.rows[0].samples[0]
-    assert not hasattr(s, "__dict__") and not gc.is_tracked(s.token_ids) and not gc.is_tracked(s.logprobs)
-    kw = reward_kwargs(batch_of(v.rows, [g.item for g in v.task.groups], v.texts), TrainerState())
+    assert not hasattr(s, "__dict__") and len(s.token_ids) == 2
+    assert not [x for x in gc.get_referents(s.token_ids, s.logprobs) if not isinstance(x, type)]
+    items = [PromptItem(text=str(g.item), prompt=str(g.item)) for g in v.task.groups]
+    kw = reward_kwargs(batch_of(v.rows, items, v.texts), TrainerState())
     assert kw["completion_ids"][0] == list(list_form.completions[0].token_ids)
     assert all(type(ids) is list and all(type(x) is int for x in ids) for ids in kw["completion_ids"])
 
