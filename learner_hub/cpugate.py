@@ -29,8 +29,8 @@ import trio
 #: how long one task may run intake work before it lets the loop run (a small result is ~0.3 ms
 #: to examine, ~0.1 ms to judge: a slice holds a few; the loop's lag stays near one slice)
 SLICE_S = 0.001
-#: the gated work one pass of the loop runs at most (a holder may overrun it by one item, or by a
-#: whole batch's judging, which is not sliced): what the loop's other tasks wait for, at most
+#: the gated work one pass of the loop runs at most (a holder may overrun it by one item): what
+#: the loop's other tasks wait for, at most
 PASS_BUDGET_S = 0.004
 
 
