@@ -150,8 +150,8 @@ async def judge_checked(hub: Hub, peer: str, checked: list[Checked | Echo2Error]
     finally:
         if asker is not None:
             asker.judging -= 1
-            if not asker.judging and asker.mailbox:
-                asker.wakeup.set()
+            if asker.mailbox:
+                asker.wake()
     evals = [t for t in taken if hub.dispatcher.eval_handled(t.checked.findings.task_id)]
     plain = [t for t in taken if t not in evals]
     for t in evals:  # rare (a few per evaluation): the lone path, each with its own receipt

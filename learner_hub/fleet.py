@@ -67,6 +67,12 @@ class NodeInfo:
     # TaskBundle (batchintake.judge_checked, judged in slices)
     judging: int = 0
 
+    def wake(self) -> None:
+        """Wake the node's WORK ask for its mailbox, unless a batch of its results is being judged
+        (the judging wakes it when done, with all that the batch freed)."""
+        if not self.judging:
+            self.wakeup.set()
+
     def __setattr__(self, name: str, value: Any) -> None:
         # who may get tasks depends on the version a node holds: the outbox re-checks only the
         # nodes named in the fleet's ``eligibility_changed`` (a full pass per message cost ~10 ms

@@ -166,7 +166,7 @@ def int32_array(data: bytes) -> Sequence[int]:
     """Little-endian int32 bytes as an ``array`` of 4-byte ints: one copy, and a garbage
     collection's walk over it visits no element, where a list's visits every int (rows.Sample)."""
     if _I4 is None:
-        return int32_list(data)
+        return np.frombuffer(data, dtype="<i4").tolist()  # type: ignore[no-any-return]
     a = array.array(_I4, data)
     if sys.byteorder != "little":
         a.byteswap()
@@ -176,12 +176,8 @@ def int32_array(data: bytes) -> Sequence[int]:
 def int32_list(data: bytes) -> list[int]:
     """Little-endian int32 bytes as a list of ints (``array('i')``: ~0.6 us for a small
     completion's 64 ids where numpy's frombuffer + tolist took ~1.1, 8 of them a small result)."""
-    if _I4 is None:
-        return np.frombuffer(data, dtype="<i4").tolist()  # type: ignore[no-any-return]
-    a = array.array(_I4, data)
-    if sys.byteorder != "little":
-        a.byteswap()
-    return a.tolist()
+    a = int32_array(data)
+    return a.tolist() if isinstance(a, array.array) else list(a)
 
 
 _I4 = next((code for code in ("i", "l") if array.array(code).itemsize == 4), None)

@@ -112,8 +112,7 @@ class Outbox:
             self.fleet.task_issued(task.task_id, task.node_id)
             node = nodes[task.node_id]
             node.mailbox.append(task)
-            if not node.judging:  # else its batch's judging wakes it when done (all freed at once)
-                node.wakeup.set()
+            node.wake()
 
     def seal(self, task: Task) -> bytes:
         """The signed task, when its node takes it."""
