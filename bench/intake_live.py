@@ -52,7 +52,7 @@ its own CPU time (``time.thread_time``, so time spent waiting for a contended co
 counted) through the results phase (``ECHO2_INTAKE_PROFILE_PHASE=heartbeats`` or ``idle``: that
 phase), and the stats are written to FILE (``python -m pstats``).
 ``ECHO2_INTAKE_STEPS=FILE``: the hub's trio task steps longer than 3 ms (what makes the loop's
-lag) through the results phase (``ECHO2_INTAKE_STEPS_PHASE=idle``: the idle phase), grouped by
+lag) through the results phase (``ECHO2_INTAKE_STEPS_PHASE=idle`` or ``heartbeats``: that phase), grouped by
 where each step ended (the await it stopped at: the stretch that ran is just before it), written
 to FILE as JSON.
 """
@@ -227,7 +227,10 @@ async def _hub_main(hub: Any, n: int, cmd: Any, out: Any) -> None:
             profiler = cProfile.Profile(time.thread_time)
             profiler.enable()
         steps_to, steps = os.environ.get("ECHO2_INTAKE_STEPS"), None
-        if steps_to and os.environ.get("ECHO2_INTAKE_STEPS_PHASE") == "idle":  # from the idle phase's start
+        # which "lag" command starts the timer (the next one writes it): the 1st ends the idle phase
+        steps_from = {"idle": 0, "heartbeats": 2}.get(os.environ.get("ECHO2_INTAKE_STEPS_PHASE", ""), 1)
+        steps_lags = 0
+        if steps_to and steps_from == 0:  # from the idle phase's start
             from echo2.bench.intake_steps import StepTimer
 
             steps = StepTimer()
@@ -235,12 +238,13 @@ async def _hub_main(hub: Any, n: int, cmd: Any, out: Any) -> None:
         while True:
             what = await trio.to_thread.run_sync(cmd.get)
             if what == "lag" and steps_to:
-                if steps is None:
+                steps_lags += 1
+                if steps is None and steps_lags == steps_from:
                     from echo2.bench.intake_steps import StepTimer
 
                     steps = StepTimer()
                     trio.lowlevel.add_instrument(cast(Any, steps))  # duck-typed Instrument
-                elif steps.on:
+                elif steps is not None and steps.on:
                     trio.lowlevel.remove_instrument(cast(Any, steps))
                     steps.on = False
                     Path(steps_to).write_text(json.dumps(steps.report(), indent=1))

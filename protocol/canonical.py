@@ -20,8 +20,8 @@ import msgpack
 from .errors import DecodeError, SchemaError, TooLarge
 
 MAX_DEPTH = 32
-_INT_MIN = -(2**63)
-_INT_MAX = 2**64 - 1
+INT_MIN = -(2**63)
+INT_MAX = 2**64 - 1
 _INTS: set[type] = {int}
 _FLOATS: set[type] = {float}
 
@@ -37,7 +37,7 @@ def _normalize(obj: Any, depth: int) -> Any:
     if t is bytes:
         return obj
     if t is int:
-        if obj < _INT_MIN or obj > _INT_MAX:
+        if obj < INT_MIN or obj > INT_MAX:
             raise SchemaError(f"integer out of the 64-bit range: {obj}")
         return obj
     if t is float:
@@ -60,8 +60,8 @@ def _normalize(obj: Any, depth: int) -> Any:
         # took 110 us to encode that way, most of sealing a task and hashing it. Same rules.
         kinds = set(map(type, obj))
         if kinds == _INTS:
-            if min(obj) < _INT_MIN or max(obj) > _INT_MAX:
-                bad = next(v for v in obj if v < _INT_MIN or v > _INT_MAX)
+            if min(obj) < INT_MIN or max(obj) > INT_MAX:
+                bad = next(v for v in obj if v < INT_MIN or v > INT_MAX)
                 raise SchemaError(f"integer out of the 64-bit range: {bad}")
             return list(obj)
         if kinds == _FLOATS:

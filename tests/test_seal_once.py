@@ -20,6 +20,7 @@ from echo2.protocol.messages import (
     AdmissionRequest,
     ErrorReply,
     Task,
+    _task_map,
     task_hash,
     task_payload,
 )
@@ -77,3 +78,36 @@ def test_hub_signs_the_bytes_it_hashed(tmp_path: Path) -> None:
     # sealed again (no payload left): the validating path gives the same task
     assert envelope.open_envelope(hub.outbox.seal(task), Task, replay=None).message == opened
     hub.store.close()
+
+
+def _generic(task: Task) -> bytes:
+    return canonical.encode(task.to_wire())
+
+
+@pytest.mark.parametrize("odd", [
+    {},  # the plain task: the fast path
+    {"prompts": [[]]}, {"prompts": [[0, 2**63 - 1], [5]]}, {"prompts": [(1, 2, 3)]},
+    {"prompts": [[2**63]]}, {"prompts": [[-1, 7]]},  # beyond int64 / below zero: the generic encoder
+    {"prompts": [[True, 2]]}, {"temperature": 1}, {"top_p": True}, {"group_size": True},
+    {"deadline": 1e300}, {"seed": 2**64 - 1}, {"task_id": "\u00e9t\u00e9"},
+])
+def test_task_payload_is_exactly_the_generic_canonical_encoding(odd: dict[str, object]) -> None:
+    task = make_task(**odd)
+    assert task_payload(task) == _generic(task)
+    if not odd or "temperature" in odd or "prompts" in odd and odd["prompts"] != [[2**63]]:
+        assert _task_map(task) is not None  # these took the fast path, not the fallback
+
+
+@pytest.mark.parametrize("bad", [
+    {"prompts": [[1.5]]}, {"prompts": [[float("nan")]]}, {"prompts": [[2**64]]}, {"deadline": float("inf")},
+    {"temperature": float("nan")}, {"task_id": "\ud800"}, {"prompts": [["a"]]},
+])
+def test_task_payload_refuses_what_the_generic_encoder_refuses_or_encodes_it_alike(bad: dict[str, object]) -> None:
+    task = make_task(**bad)
+    try:
+        expected = _generic(task)
+    except SchemaError:
+        with pytest.raises(SchemaError):
+            task_payload(task)
+    else:  # a float id the schema would refuse on the node still encodes alike
+        assert task_payload(task) == expected
