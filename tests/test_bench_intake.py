@@ -108,3 +108,37 @@ def test_live_summary_takes_ratios_within_a_repeat() -> None:
     assert out["ratio_hub_process_cpu_by_workers"] == {"100:2/0": 0.5}
     assert out["ratio_hub_process_cpu_by_workers_spread"]["100:2/0"]["n"] == 2
     assert out["ratio_result_cpu"] == 1.15  # (1.1 / 1.0 + 2.4 / 2.0) / 2
+
+
+def test_live_cpu_figures_count_every_thread_to_the_nanosecond() -> None:
+    import os
+    import subprocess
+    import sys
+    import threading
+    import time
+
+    from echo2.bench.intake_live import _thread_cpu_s, _tree_cpu_s, process_cpu_s
+
+    def burn(s: float) -> None:
+        t = time.perf_counter()
+        while time.perf_counter() - t < s:
+            pass
+
+    worker = threading.Thread(target=burn, args=(0.05,))
+    worker.start()
+    worker.join()  # an exited thread's CPU stays in its process's figure
+    mine, ours = process_cpu_s(os.getpid()), time.process_time()
+    assert abs(mine - ours) < 0.005 and mine >= 0.05
+    assert abs(_thread_cpu_s(os.getpid()) - time.thread_time()) < 0.005
+    # a child process (an intake worker, say) counts in the tree, not in the parent's own figure
+    child = subprocess.Popen([sys.executable, "-c", "import time\nt = time.process_time()\n"
+                              "while time.process_time() - t < 0.2: pass\ntime.sleep(5)"])
+    try:
+        deadline = time.monotonic() + 30
+        while process_cpu_s(child.pid) < 0.2 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        tree, own = _tree_cpu_s(os.getpid()), _tree_cpu_s(os.getpid(), own=True)
+        assert tree - own >= 0.2 > abs(own - time.process_time())
+    finally:
+        child.kill()
+        child.wait()
