@@ -24,6 +24,7 @@ from types import SimpleNamespace
 from typing import Any
 
 from echo2.bench import plotting
+from echo2.bench.attack_cpu import cpu_seconds
 
 log = logging.getLogger(__name__)
 MB = 1_000_000
@@ -139,21 +140,6 @@ def _spawn_nodes(n: int, hub_addr: str, hub_peer: str, link_MBps: float, root: s
             else:
                 procs.append(net.popen(i + 1, cmd, stdout=subprocess.DEVNULL, stderr=logf))
     return procs
-
-
-def _cpu_seconds(pids: list[int]) -> float:
-    """User + system CPU seconds of these processes (all their threads) so far, from /proc (Linux);
-    a process that is gone counts 0."""
-    tick = os.sysconf("SC_CLK_TCK")
-    total = 0.0
-    for pid in pids:
-        try:
-            with open(f"/proc/{pid}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        total += (int(fields[11]) + int(fields[12])) / tick  # utime, stime: fields 14 and 15 of stat(5)
-    return total
 
 
 def _stop_nodes(procs: list[Any], net: Any = None) -> None:
@@ -276,7 +262,7 @@ async def _real_mode(mode: str, n: int, mbytes: float, link_MBps: float, hub_MBp
             # CPU of the broadcast only (packing is the publisher's, before): every node process
             # (``ip netns exec`` execs the node in place, so the pid is the node's) and this hub.
             pids = [p.pid for p in procs] + [os.getpid()]
-            cpu0, hub_cpu0 = _cpu_seconds(pids), _cpu_seconds([os.getpid()])
+            cpu0, hub_cpu0 = cpu_seconds(pids), cpu_seconds([os.getpid()])
             if trace:
                 import time
 
@@ -289,8 +275,8 @@ async def _real_mode(mode: str, n: int, mbytes: float, link_MBps: float, hub_MBp
             with trio.fail_after(limit):
                 while sender.holders(1) < n:
                     await sender.changed.wait()
-            cpu_s = _cpu_seconds(pids) - cpu0
-            hub_cpu_s = _cpu_seconds([os.getpid()]) - hub_cpu0
+            cpu_s = cpu_seconds(pids) - cpu0
+            hub_cpu_s = cpu_seconds([os.getpid()]) - hub_cpu0
             load1 = os.getloadavg()[0]
             await trio.sleep(1.0)  # late stats reports
             m = sender.version_metrics(1)

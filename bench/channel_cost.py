@@ -13,10 +13,11 @@ from __future__ import annotations
 
 import json
 import multiprocessing as mp
-import os
 import sys
 import time
 from typing import Any
+
+from echo2.bench.attack_cpu import process_cpu_s
 
 PAYLOAD = b"x" * 300
 REPLY = b"y" * 300
@@ -24,9 +25,7 @@ MODES = ("fresh", "persist", "dataplane")
 
 
 def cpu_s(pid: int) -> float:
-    with open(f"/proc/{pid}/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    return process_cpu_s(pid)
 
 
 def _hub(q: Any, stop: Any) -> None:

@@ -60,7 +60,6 @@ to FILE as JSON.
 from __future__ import annotations
 
 import argparse
-import ctypes
 import dataclasses
 import gc
 import json
@@ -73,7 +72,7 @@ from collections import Counter
 from pathlib import Path
 from typing import Any, cast
 
-from echo2.bench.attack_cpu import pin
+from echo2.bench.attack_cpu import pin, process_cpu_s, ticks_cpu_s
 from echo2.bench.attack_cpu import split as split_cpus
 
 from .intake_clients import SMALL_COMPLETIONS, SMALL_TOKENS, _client_proc, _seed
@@ -81,34 +80,6 @@ from .intake_clients import SMALL_COMPLETIONS, SMALL_TOKENS, _client_proc, _seed
 TIMED_RATE = 0.01
 WORKERS_PER_CLIENT = 16
 HEARTBEAT_IDENTITIES = 1000
-
-
-def _ticks_cpu_s(stat_fields: list[str]) -> float:
-    return (int(stat_fields[11]) + int(stat_fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
-_LIBC = ctypes.CDLL(None, use_errno=True)
-
-
-def process_cpu_s(pid: int, stat_fields: list[str] | None = None) -> float:
-    """CPU seconds of process ``pid``, all its threads (exited ones included), to the nanosecond:
-    its CPU-time clock (``clock_getcpuclockid``). Why not /proc/PID/stat alone: it counts in
-    10 ms ticks per process, and the heartbeat phase at 100 nodes is ~0.25 s and ~150 ms of hub
-    CPU over three processes (hub and 2 workers), so ticks alone were worth up to ±20% of the
-    per-heartbeat figure. Falls back to the ticks where the clock cannot be read."""
-    cid = ctypes.c_int()
-    try:
-        if _LIBC.clock_getcpuclockid(pid, ctypes.byref(cid)) == 0:
-            return time.clock_gettime(cid.value)
-    except OSError:  # the process is gone, or its clock is not ours to read
-        pass
-    if stat_fields is None:
-        try:
-            with open(f"/proc/{pid}/stat") as f:
-                stat_fields = f.read().rsplit(")", 1)[1].split()
-        except OSError:
-            return 0.0
-    return _ticks_cpu_s(stat_fields)
 
 
 def _tree_cpu_s(pid: int, *, own: bool = False) -> float:
@@ -140,7 +111,7 @@ def _thread_cpu_s(pid: int) -> float:
         pass
     try:
         with open(f"/proc/{pid}/task/{pid}/stat") as f:
-            return _ticks_cpu_s(f.read().rsplit(")", 1)[1].split())
+            return ticks_cpu_s(f.read().rsplit(")", 1)[1].split())
     except OSError:
         return 0.0
 

@@ -15,19 +15,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
+from echo2.bench.attack_cpu import process_cpu_s
 from echo2.bench.swarm import LocalSwarm
 from echo2.learner_hub.config import HubConfig
-
-
-def _cpu_s(pid: int) -> float:
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def one_run(root: Path, linger: str, nodes: int, seconds: float, task_target_s: float) -> dict[str, Any]:
@@ -41,7 +36,7 @@ def one_run(root: Path, linger: str, nodes: int, seconds: float, task_target_s: 
         while time.monotonic() < deadline:
             st = swarm.status()
             if st and st.get("results_accepted", 0) >= 1 and t0 is None:
-                t0, a0, r0, c0 = time.monotonic(), st["results_accepted"], st["rollouts_accepted"], _cpu_s(swarm.hub.pid)
+                t0, a0, r0, c0 = time.monotonic(), st["results_accepted"], st["rollouts_accepted"], process_cpu_s(swarm.hub.pid)
             if t0 is not None and st is not None and time.monotonic() - t0 >= seconds:
                 break
             time.sleep(0.25)
@@ -49,7 +44,7 @@ def one_run(root: Path, linger: str, nodes: int, seconds: float, task_target_s: 
             raise RuntimeError(f"no results within 300 s; see {root}")
         assert st is not None and a0 is not None and r0 is not None and c0 is not None and t0 is not None
         wall = time.monotonic() - t0
-        cpu = _cpu_s(swarm.hub.pid) - c0
+        cpu = process_cpu_s(swarm.hub.pid) - c0
         accepted = st["results_accepted"] - a0
         sends = sent = 0
         for i in range(nodes):

@@ -117,7 +117,8 @@ def test_live_cpu_figures_count_every_thread_to_the_nanosecond() -> None:
     import threading
     import time
 
-    from echo2.bench.intake_live import _thread_cpu_s, _tree_cpu_s, process_cpu_s
+    from echo2.bench.attack_cpu import process_cpu_s
+    from echo2.bench.intake_live import _thread_cpu_s, _tree_cpu_s
 
     def burn(s: float) -> None:
         t = time.perf_counter()
