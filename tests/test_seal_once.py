@@ -20,10 +20,10 @@ from echo2.protocol.messages import (
     AdmissionRequest,
     ErrorReply,
     Task,
-    _task_map,
     task_hash,
     task_payload,
 )
+from echo2.protocol.taskencode import task_map
 
 HUB = IDENTITIES[0]
 NOW, NONCE = 1_700_000_000.0, bytes(range(16))
@@ -95,7 +95,7 @@ def test_task_payload_is_exactly_the_generic_canonical_encoding(odd: dict[str, o
     task = make_task(**odd)
     assert task_payload(task) == _generic(task)
     if not odd or "temperature" in odd or "prompts" in odd and odd["prompts"] != [[2**63]]:
-        assert _task_map(task) is not None  # these took the fast path, not the fallback
+        assert task_map(task) is not None  # these took the fast path, not the fallback
 
 
 @pytest.mark.parametrize("bad", [
