@@ -24,10 +24,6 @@ REPLY = b"y" * 300
 MODES = ("fresh", "persist", "dataplane")
 
 
-def cpu_s(pid: int) -> float:
-    return process_cpu_s(pid)
-
-
 def _hub(q: Any, stop: Any) -> None:
     import trio
     from libp2p.custom_types import TProtocol
@@ -116,13 +112,13 @@ def main(n: int = 500, k: int = 2) -> dict[str, list[float]]:
     out: dict[str, list[float]] = {}
     try:
         for mode in MODES * 2:
-            c0, t0 = cpu_s(hub.pid or 0), time.perf_counter()
+            c0, t0 = process_cpu_s(hub.pid or 0), time.perf_counter()
             clients = [ctx.Process(target=_client, args=(addr, data_addr, hub_id, mode, n)) for _ in range(k)]
             for p in clients:
                 p.start()
             for p in clients:
                 p.join()
-            ms = (cpu_s(hub.pid or 0) - c0) * 1e3 / (n * k)
+            ms = (process_cpu_s(hub.pid or 0) - c0) * 1e3 / (n * k)
             out.setdefault(mode, []).append(round(ms, 3))
             print(f"{mode:>9}: hub CPU {ms:.3f} ms per request (wall {time.perf_counter() - t0:.1f} s)", flush=True)
     finally:

@@ -529,6 +529,9 @@ def _check_specs() -> None:
         names = [f.name for f in dataclasses.fields(cls)]  # type: ignore[arg-type]
         if names != list(cls.SPEC):
             raise RuntimeError(f"{cls.__name__}: SPEC keys {list(cls.SPEC)} != fields {names}")
+    # the direct writer must write every field of a Task, in canonical order
+    if list(taskencode.KEYS) != sorted(Task.SPEC):
+        raise RuntimeError(f"taskencode.KEYS {taskencode.KEYS} != Task's fields in canonical order {sorted(Task.SPEC)}")
 
 
 _check_specs()

@@ -42,8 +42,10 @@ def _wire_float(v: object) -> float | None:
     return None
 
 
-_LO, _HI = INT_MIN, INT_MAX
 _INT_TYPE = {int}
+#: the Task fields written, in canonical key order (messages.py checks them against Task.SPEC at import)
+KEYS = ("deadline", "group_size", "max_new_tokens", "max_version_lag", "min_version", "node_id", "prompts",
+        "seed", "task_id", "temperature", "top_p")
 
 
 def task_map(task: Task) -> dict[str, object] | None:
@@ -51,7 +53,7 @@ def task_map(task: Task) -> dict[str, object] | None:
     the plain type the fast path takes (the generic encoder then decides)."""
     ints = (task.group_size, task.max_new_tokens, task.max_version_lag, task.min_version, task.seed)
     deadline, temperature, top_p = _wire_float(task.deadline), _wire_float(task.temperature), _wire_float(task.top_p)
-    if (set(map(type, ints)) != _INT_TYPE or min(ints) < _LO or max(ints) > _HI or deadline is None
+    if (set(map(type, ints)) != _INT_TYPE or min(ints) < INT_MIN or max(ints) > INT_MAX or deadline is None
             or temperature is None or top_p is None or type(task.node_id) is not str or type(task.task_id) is not str):
         return None
     prompts = []
