@@ -126,6 +126,47 @@ def test_pending_results_survive_reopen_and_exactly_once(tmp_path: Path) -> None
         assert [p.task_id for p in s.pending_results(after_step=1)] == ["t2"]
 
 
+def test_payloads_live_apart_and_leave_with_their_result(tmp_path: Path) -> None:
+    """An accepted result's payload is a row of result_payloads (results.payload stays NULL, so
+    marking it trained rewrites a small row); pruning and dropping delete that row; a batch's
+    ledger counts match those of its results one by one."""
+    from echo2.learner_hub.store import Accepted
+
+    with open_store(tmp_path) as s:
+        s.record_accepted_many([Accepted(f"t{i}", "p1" if i < 3 else "p2", 0, 10 + i, 2, float(i), bytes([i]) * 5, 7)
+                                for i in range(5)])
+        s.record_accepted_many([Accepted("t0", "p1", 0, 10, 2, 9.0, b"again", 7)])  # a replay: no second entry
+        db = s._db
+        assert db.execute("SELECT COUNT(*) FROM results WHERE payload IS NOT NULL").fetchone()[0] == 0
+        assert db.execute("SELECT COUNT(*) FROM result_payloads").fetchone()[0] == 6
+        led = {r[0]: r[1:] for r in db.execute("SELECT peer_id, accepted_results, accepted_rollouts, accepted_tokens,"
+                                               " price_micro, saved_at FROM ledger")}
+        assert led == {"p1": (3, 6, 10 + 11 + 12, 7, 0.0), "p2": (2, 4, 13 + 14, 7, 3.0)}
+        assert len(s.ledger_entries()) == 5
+        s.mark_trained(["t0", "t1"], step=1)
+        assert s.prune_payloads(upto_step=1) == 2 + 1  # t0's replayed row was marked with it
+        assert s.drop_pending(["t2"], "stale") == 1
+        assert db.execute("SELECT COUNT(*) FROM result_payloads").fetchone()[0] == 2
+        assert [p.task_id for p in s.pending_results()] == ["t3", "t4"]
+        assert s.result_counts() == {"accepted": 6}
+
+
+def test_an_older_files_payloads_move_to_their_table(tmp_path: Path) -> None:
+    db = sqlite3.connect(tmp_path / "hub.sqlite")
+    db.execute("CREATE TABLE schema_version (version INTEGER NOT NULL)")
+    for i, m in enumerate(MIGRATIONS[:-1]):
+        db.executescript(m)
+        db.execute("INSERT INTO schema_version VALUES (?)", (i + 1,))
+    db.execute("INSERT INTO results (task_id, node, version, accepted, reason, tokens, rollouts, received_at, payload)"
+                " VALUES ('old', 'p1', 0, 1, 'accepted', 10, 2, 1.0, x'0102')")
+    db.commit()
+    db.close()
+    with open_store(tmp_path) as s:
+        (pend,) = s.pending_results()
+        assert (pend.task_id, pend.payload) == ("old", b"\x01\x02")
+        assert s._db.execute("SELECT payload FROM results").fetchall() == [(None,)]
+
+
 def test_ledger_snapshot_round_trip(tmp_path: Path) -> None:
     led = Ledger()
     led.activate("a", 0.0, price=3.6)
