@@ -36,6 +36,7 @@ from echo2.protocol.batchmessages import (
     BatchAck,
     BatchVerdict,
     ChannelOffer,
+    batch_ack_payload,
 )
 from echo2.protocol.errors import Echo2Error, MeaningError, NotAdmitted
 from echo2.protocol.identity import Identity
@@ -283,7 +284,8 @@ def batch_ack(identity: Identity, peer: str, outcomes: list[ItemOutcome]) -> byt
             log.error("judging item %d of a result batch from %s failed", i, peer, exc_info=o)
             verdicts.append(BatchVerdict(accepted=False, code="internal", message=f"internal error ({type(o).__name__})",
                                          receipt=b""))
-    return envelope.seal(identity, BatchAck(node_id=peer, verdicts=verdicts), ttl_s=300)
+    ack = BatchAck(node_id=peer, verdicts=verdicts)
+    return envelope.seal(identity, ack, ttl_s=300, payload=batch_ack_payload(ack))
 
 
 def channel_offer(identity: Identity, peer: str, addr: str | None, *, admitted: bool) -> bytes:

@@ -17,6 +17,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
+import msgpack
+
+from . import canonical
+from .errors import SchemaError
 from .schema import Bool, Bytes, Int, List, Message, Nested, PeerId, Record, Spec, Str
 
 KiB = 1024
@@ -93,3 +97,45 @@ class ChannelOffer(Message):
     addr: str
     max_batch: int
     max_batch_bytes: int
+
+
+def batch_ack_payload(ack: BatchAck) -> bytes:
+    """``canonical.encode(ack.validate().to_wire())``, written directly for the BatchAck the hub
+    builds: its map in canonical key order, each value checked against the SPEC here, packed in
+    one call. The generic route (validate's round trip, then to_wire and canonical's sort of every
+    map) was 53 of the 103 us of a batch of 8's seal, once per batch (`echo2 bench intake
+    --batch 8`). Anything the fast path does not take goes the generic way, which raises the
+    SchemaError a receiver would, so the bytes and the refusals are the same either way."""
+    fast = _ack_map(ack)
+    if fast is not None:
+        try:
+            return msgpack.packb(fast, use_bin_type=True)
+        except (TypeError, ValueError, OverflowError, UnicodeEncodeError):
+            pass  # a str without a UTF-8 form: the generic encoder says so
+    return canonical.encode(ack.validate().to_wire())
+
+
+def _ack_map(ack: BatchAck) -> dict[str, object] | None:
+    vs = ack.verdicts
+    if type(vs) is not list or not 1 <= len(vs) <= MAX_BATCH_RESULTS:
+        return None
+    try:
+        _NODE_ID.check(ack.node_id, "node_id")
+    except SchemaError:
+        return None
+    out = []
+    for v in vs:
+        if (type(v) is not BatchVerdict or type(v.accepted) is not bool or type(v.code) is not str
+                or type(v.message) is not str or type(v.receipt) is not bytes or len(v.code) > _CODE_MAX
+                or len(v.message) > _MESSAGE_MAX or len(v.receipt) > MAX_RECEIPT_ENVELOPE):
+            return None
+        # keys in canonical (UTF-8 byte) order, as canonical.encode sorts them
+        out.append({"accepted": v.accepted, "code": v.code, "message": v.message, "receipt": v.receipt})
+    return {"node_id": ack.node_id, "verdicts": out}
+
+
+_NODE_ID = BatchAck.SPEC["node_id"]
+_CODE_MAX = BatchVerdict.SPEC["code"].max_len  # type: ignore[attr-defined]
+_MESSAGE_MAX = BatchVerdict.SPEC["message"].max_len  # type: ignore[attr-defined]
+if tuple(BatchVerdict.SPEC) != ("accepted", "code", "message", "receipt") or tuple(BatchAck.SPEC) != ("node_id", "verdicts"):
+    raise RuntimeError("batch_ack_payload writes BatchAck's fields by name: update it with the SPEC")
