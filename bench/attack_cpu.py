@@ -99,3 +99,24 @@ def busy_seconds(cpus: Iterable[int]) -> float:
             v = [int(x) for x in f[1:]]
             total += sum(v[:8]) - v[3] - v[4]  # user nice system idle iowait irq softirq steal
     return total / _CLK
+
+
+#: iterations of :func:`reference_loop_ms`'s loop (~0.3 s of one core here when the host is quiet)
+REFERENCE_LOOP_N = 300_000
+
+
+def reference_loop_ms(n: int = REFERENCE_LOOP_N, rounds: int = 3) -> float:
+    """The median CPU ms (this thread's clock) of a fixed pure-Python loop, over ``rounds``.
+
+    Why: these machines are shared, and the same code read 0.57-0.80 ms per result from one run
+    to the next while this loop read 313-464 ms within a minute (2026-12-07). Recorded before and
+    after a run, it shows in the run's own JSON how fast the host was, so milliseconds from two
+    runs are compared only where the host was alike; ratios within one run need no such care."""
+    times = []
+    for _ in range(max(1, rounds)):
+        t0 = time.thread_time()
+        acc = 0
+        for i in range(n):
+            acc = (acc + i * i) % 1_000_003
+        times.append((time.thread_time() - t0) * 1000)
+    return round(sorted(times)[len(times) // 2], 1)

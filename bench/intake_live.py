@@ -72,7 +72,7 @@ from collections import Counter
 from pathlib import Path
 from typing import Any, cast
 
-from echo2.bench.attack_cpu import pin, process_cpu_s, ticks_cpu_s
+from echo2.bench.attack_cpu import pin, process_cpu_s, reference_loop_ms, ticks_cpu_s
 from echo2.bench.attack_cpu import split as split_cpus
 
 from .intake_clients import SMALL_COMPLETIONS, SMALL_TOKENS, _client_proc, _seed
@@ -470,9 +470,12 @@ def run_live(args: argparse.Namespace) -> int:
         # each repeat measures every worker count back to back: the ratios are taken within it
         for k in range(repeats):
             for w in worker_counts:
+                before = reference_loop_ms()
                 row = run_size(n, args.clients, max(1, args.batch), args.duration, args.idle, w,
                                getattr(args, "client_cpus", "none"), float(getattr(args, "reward_sleep", 0.0)))
                 row["repeat"] = k
+                # the host's speed around the run (attack_cpu.reference_loop_ms: shared machines vary)
+                row["reference_loop_ms"] = {"before": before, "after": reference_loop_ms()}
                 rows.append(row)
                 r, h = row["results"], row["heartbeats"]
                 print(f"nodes={n:>6} clients={args.clients} batch={args.batch} workers={w}"
@@ -485,7 +488,9 @@ def run_live(args: argparse.Namespace) -> int:
                       f" max {r['loop_lag_max_ms']} / {h['loop_lag_max_ms']} ms; idle {row['idle']['hub_cpu_ms_per_s']} ms/s"
                       f" (loop lag p99 {row['idle']['loop_lag_p99_ms']} ms, max {row['idle']['loop_lag_max_ms']} ms);"
                       f" status write max: {_status_line(r['status_write_max'])}; RSS {row['hub_rss_mb']} MB;"
-                      f" refused {r['refused']} errors {r['errors']} (admit {row['setup']['admit_s']} s)", flush=True)
+                      f" refused {r['refused']} errors {r['errors']} (admit {row['setup']['admit_s']} s);"
+                      f" reference loop {row['reference_loop_ms']['before']} / {row['reference_loop_ms']['after']} ms",
+                      flush=True)
     result: dict[str, Any] = {
         "bench": "intake", "mode": "live",
         "measures": __doc__.split("\n\n")[0] if __doc__ else "",

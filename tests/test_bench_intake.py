@@ -68,6 +68,8 @@ def test_bench_intake_live_small_fleet(tmp_path: Path) -> None:
     # /proc counts CPU in 10 ms ticks: a few heartbeats may read as none
     assert h["hub_cpu_ms_per_heartbeat"] is not None and h["hub_cpu_ms_per_heartbeat"] >= 0
     assert row["hub_rss_mb"] > 0 and r["loop_lag_max_ms"] >= r["loop_lag_p99_ms"] >= 0
+    # the host's speed around the run, so milliseconds of two runs can be compared where it was alike
+    assert row["reference_loop_ms"]["before"] > 0 and row["reference_loop_ms"]["after"] > 0
 
 
 def test_size_ratio_is_per_worker_count() -> None:
@@ -143,3 +145,11 @@ def test_live_cpu_figures_count_every_thread_to_the_nanosecond() -> None:
     finally:
         child.kill()
         child.wait()
+
+
+def test_reference_loop_reads_the_work_it_was_given() -> None:
+    """A fixed loop's CPU grows with its length (a reading that ignored the work could not)."""
+    from echo2.bench.attack_cpu import reference_loop_ms
+
+    short, long = reference_loop_ms(20_000), reference_loop_ms(400_000)
+    assert 0 < short < long and long / short > 5
