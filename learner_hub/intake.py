@@ -18,6 +18,7 @@ Intake also issues tasks (it must remember what it asked for to judge the answer
 from __future__ import annotations
 
 import array
+import dataclasses
 import sys
 from collections.abc import Callable, Container, Iterable, Sequence
 from dataclasses import dataclass, field
@@ -57,6 +58,10 @@ class TaskEntry:
     buffered: int = 0  # groups of its accepted result still waiting to be trained (0: in flight)
     accepted: bool = False
     payload: bytes | None = None  # the task's canonical bytes (its hash's input) until it is sealed
+    # what the stateless checks need of it (Intake.tasks_of), made once: every batch of the node's
+    # sends the views of all its tasks in flight along, and rebuilding them each time was ~2.5% of
+    # the hub's loop with workers 2 (py-spy --gil of `echo2 bench intake --batch 8`)
+    view: TaskView | None = field(default=None, repr=False, compare=False)
     # the issued task until it is first encoded: when its node takes it (Outbox.seal) or a result
     # names it. Encoding and hashing at issue put ~20 us a task into the pump, and a learner step
     # that frees hundreds of tasks issues them in one pass of the loop (`echo2 bench intake`:
@@ -188,13 +193,22 @@ def derive_finish_reason(token_ids: list[int], stop_ids: frozenset[int]) -> str:
     return finish_of(token_ids[-1] if token_ids else None, stop_ids)
 
 
+#: rows.Sample's fields in order, as sample_of passes them: checked at import, so a field added
+#: to Sample cannot shift the positional arguments silently
+_SAMPLE_FIELDS = ("token_ids", "logprobs", "reward", "version", "node_id", "finish_reason", "reward_parts", "packed")
+if tuple(f.name for f in dataclasses.fields(Sample)) != _SAMPLE_FIELDS:
+    raise ImportError(f"rows.Sample's fields changed; update intake.sample_of: {dataclasses.fields(Sample)}")
+
+
 def sample_of(s: CompactSample, version: int, peer: str) -> Sample:
     """A training row's sample from its arrays: the lists training reads, built in C (tolist);
     a packed result's received bytes ride along so the store keeps them as received instead of
     re-encoding 3 M numbers (7.5 s profiled)."""
     if s.packed:
-        return Sample(token_ids=int32_array(s.ids), logprobs=float32_array(s.logprobs), reward=0.0, version=version, node_id=peer,
-                      finish_reason=s.finish_reason, packed=(s.ids, s.logprobs))
+        # positional, in the field order of rows.Sample: with keywords its __init__ took 1.27 us,
+        # 0.34 this way (8 of them a small result, on the hub's loop whatever the workers)
+        return Sample(int32_array(s.ids), float32_array(s.logprobs), 0.0, version, peer, s.finish_reason, {},
+                      (s.ids, s.logprobs))
     return Sample(token_ids=np.frombuffer(s.ids, dtype="<i8").tolist(), logprobs=np.frombuffer(s.logprobs, dtype="<f8").tolist(),
                   reward=0.0, version=version, node_id=peer, finish_reason=s.finish_reason)
 
@@ -327,8 +341,21 @@ class Intake:
         st = self.dispatcher.nodes.get(peer)
         if st is None:
             return {}
-        flying = self.dispatcher.in_flight
-        return {tid: task_view(flying[tid]) for tid in st.in_flight if tid in flying}
+        flying, book = self.dispatcher.in_flight, self.book._tasks
+        out = {}
+        for tid in st.in_flight:
+            t = flying.get(tid)
+            if t is None:
+                continue
+            e = book.get(tid)
+            if e is None:  # a task the book does not hold (never opened here): built each time
+                out[tid] = task_view(t)
+                continue
+            v = e.view
+            if v is None:
+                v = e.view = task_view(t)
+            out[tid] = v
+        return out
 
     def judge(self, peer: str, r: AnyResult, now: float, learner_step: int) -> Verdict:
         """The verdict on a Result whose envelope ``peer`` signed."""
@@ -370,7 +397,8 @@ class Intake:
         if not verdict.accepted:
             return Refuse(verdict.code.value)
         assert verdict.task is not None and f.samples is not None
-        rows = [Group(prompt_ids=list(g.prompt), samples=[sample_of(s, f.version, peer) for s in ss])
+        version = f.version
+        rows = [Group(list(g.prompt), [sample_of(s, version, peer) for s in ss])
                 for g, ss in zip(verdict.task.groups, f.samples, strict=True)]
         texts = [list(t) for t in f.texts] if f.texts is not None else []
         return Accept(verdict.task, rows, verdict.late, texts)
