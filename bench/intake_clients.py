@@ -61,14 +61,19 @@ async def _client_main(role: str, info: dict[str, Any], seeds: list[int], batch:
     plain: list[int] = info["plain"]
     c: Counter[str] = Counter()
     first_error: dict[str, str] = {}
-    lps = pack_logprobs([-0.5] * SMALL_TOKENS)
+    n_tokens = int(info.get("tokens", SMALL_TOKENS))  # the hub's max_new_tokens (--tokens)
+    lps = pack_logprobs([-0.5] * n_tokens)
+    # completions drawn from a pool made once: at 512 tokens a fresh draw of every id was ~4,000
+    # random choices a result, and the clients' core, not the hub, set the pace. The hub's work
+    # per completion (its checks, detokenising, rewards, storing) does not depend on repeats.
+    pool = [pack_ids([rng.choice(plain) for _ in range(n_tokens)]) for _ in range(64)]
 
     def result_for(node: Identity, task: Task) -> bytes:
-        comps = [PackedCompletion(i, pack_ids([rng.choice(plain) for _ in range(SMALL_TOKENS)]), lps, "length")
+        comps = [PackedCompletion(i, rng.choice(pool), lps, "length")
                  for i in range(len(task.prompts)) for _ in range(task.group_size)]
         c["completions"] += len(comps)
         r = PackedResult(task_id=task.task_id, task_hash=task_hash(task), node_id=node.peer_id, version=0,
-                         completions=comps, started_at=time.time(), gen_seconds=0.1, tokens=SMALL_TOKENS * len(comps))
+                         completions=comps, started_at=time.time(), gen_seconds=0.1, tokens=n_tokens * len(comps))
         return envelope.seal(node, r, ttl_s=300)
 
     async def heartbeat(ch: ChannelClient, node: Identity, seq: int, want: int = 1) -> list[Task]:

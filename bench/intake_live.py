@@ -15,7 +15,7 @@ Per fleet size N, in this order:
 * ``results``: K client processes drive W working identities, each over its own channel
   connection (authenticated with that identity's key): ask for work (WORK long poll) until it
   holds B tasks or the hub has none, answer each with a valid signed PackedResult (8 completions
-  x 64 tokens), send them (one alone as RESULT, several as one signed ResultBatch), repeat;
+  x 64 tokens, or --tokens T each), send them (one alone as RESULT, several as one signed ResultBatch), repeat;
 * ``heartbeats``: other identities of the fleet, each with tasks waiting, ask for work once per
   task they hold (WORK answered at once with a Task): the heartbeat the issue measures.
 
@@ -137,7 +137,8 @@ def bench_announce(peer: str) -> Any:
 
 # --- the hub process ----------------------------------------------------------------------------
 
-def _hub_proc(n: int, batch: int, workdir: str, cmd: Any, out: Any, workers: int = 0, reward_sleep_s: float = 0.0) -> None:
+def _hub_proc(n: int, batch: int, workdir: str, cmd: Any, out: Any, workers: int = 0, reward_sleep_s: float = 0.0,
+              tokens: int = SMALL_TOKENS) -> None:
     import logging
 
     import trio
@@ -155,7 +156,7 @@ def _hub_proc(n: int, batch: int, workdir: str, cmd: Any, out: Any, workers: int
         extra["reward_funcs"] = ["echo2.learner_hub.rewards_builtin:copy_reward", "echo2.bench.intake:sleepy_reward"]
     # the pipeline holds cap groups per identity: see "Task supply" in the module's docstring
     cfg = HubConfig(dir=workdir, steps=10**6, prompts_per_step=max(n * cap, 256), group_size=SMALL_COMPLETIONS,
-                    max_new_tokens=SMALL_TOKENS, staleness=1, task_deadline_s=3600.0, node_silence_s=3600.0,
+                    max_new_tokens=tokens, staleness=1, task_deadline_s=3600.0, node_silence_s=3600.0,
                     intake_workers=workers, tasks_per_node=min(cap, 16), **extra)
     hub = Hub(cfg)
     # small results (one group of 8 each): a node timed fast would otherwise get tasks of several
@@ -216,6 +217,7 @@ async def _hub_main(hub: Any, n: int, cmd: Any, out: Any) -> None:
         nursery.start_soon(learner_stand_in)
         plain = [t for t in range(3, min(hub.tok.vocab_size, 200)) if t not in set(hub.tok.stop_ids)]
         out.put({"addr": server.addr, "hub_id": hub.identity.peer_id, "plain": plain, "admit_s": round(admit_s, 2),
+                 "tokens": hub.cfg.max_new_tokens,
                  "tasks_in_flight": len(hub.dispatcher.in_flight)})
         lag = LoopLag()
         lag_scope = trio.CancelScope()
@@ -318,7 +320,7 @@ def _phase(ctx: Any, hub_pid: int, role: str, info: dict[str, Any], parts: list[
 
 
 def run_size(n: int, clients: int, batch: int, duration_s: float, idle_s: float, intake_workers: int = 0,
-             client_cpus: str = "none", reward_sleep_s: float = 0.0) -> dict[str, Any]:
+             client_cpus: str = "none", reward_sleep_s: float = 0.0, tokens: int = SMALL_TOKENS) -> dict[str, Any]:
     """One fleet size. ``client_cpus`` (``--client-cpus``): ``none``, every process shares every
     CPU; ``auto`` or a list, the clients (the fleet, on other machines in a real deployment) run
     there and the hub and its workers on the other CPUs, so the hub's loop lag is its own work's
@@ -328,7 +330,7 @@ def run_size(n: int, clients: int, batch: int, duration_s: float, idle_s: float,
     sides = split_cpus(client_cpus)
     hub_cpus, fleet_cpus = sides if sides else (None, None)
     with tempfile.TemporaryDirectory(prefix="echo2-bench-intake-live-") as d:
-        hub = ctx.Process(target=_hub_proc, args=(n, batch, d, cmd, out, intake_workers, reward_sleep_s))
+        hub = ctx.Process(target=_hub_proc, args=(n, batch, d, cmd, out, intake_workers, reward_sleep_s, tokens))
         hub.start()
         if hub_cpus and hub.pid:
             pin(hub.pid, hub_cpus)  # its intake workers, started later, inherit it
@@ -465,6 +467,7 @@ def run_live(args: argparse.Namespace) -> int:
     sizes = [int(x) for x in str(args.nodes).split(",") if x.strip()]
     worker_counts = [int(x) for x in str(getattr(args, "workers", "0")).split(",") if x.strip()] or [0]
     repeats = max(1, int(getattr(args, "repeat", 1)))
+    tokens = int(getattr(args, "tokens", SMALL_TOKENS))
     rows = []
     for n in sizes:
         # each repeat measures every worker count back to back: the ratios are taken within it
@@ -472,7 +475,7 @@ def run_live(args: argparse.Namespace) -> int:
             for w in worker_counts:
                 before = reference_loop_ms()
                 row = run_size(n, args.clients, max(1, args.batch), args.duration, args.idle, w,
-                               getattr(args, "client_cpus", "none"), float(getattr(args, "reward_sleep", 0.0)))
+                               getattr(args, "client_cpus", "none"), float(getattr(args, "reward_sleep", 0.0)), tokens)
                 row["repeat"] = k
                 # the host's speed around the run (attack_cpu.reference_loop_ms: shared machines vary)
                 row["reference_loop_ms"] = {"before": before, "after": reference_loop_ms()}
@@ -503,7 +506,7 @@ def run_live(args: argparse.Namespace) -> int:
                             "the learner is a stand-in taking buffered rows every 0.5 s",
                             "prompts_per_step = max(N * tasks per node, 256): every identity can hold its share "
                             "(see 'Task supply' in the module's docstring)"],
-        "small_result": {"completions": SMALL_COMPLETIONS, "tokens_each": SMALL_TOKENS},
+        "small_result": {"completions": SMALL_COMPLETIONS, "tokens_each": tokens},
         "reward_sleep_s": float(getattr(args, "reward_sleep", 0.0)),
         "repeats": repeats,
         "rows": rows,
