@@ -350,3 +350,52 @@ def _cmdline(pid: int) -> str:
         return Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace")
     except OSError:
         return ""
+
+
+def test_worker_reply_read_whole_whatever_its_pieces() -> None:
+    """The hub's read of a worker's reply: its length split from its body, a body far larger than
+    one receive, a second reply straight after; EOF mid-body is None; a size beyond MAX_REPLY is
+    refused before anything is allocated for it."""
+    import socket
+    import struct
+    import threading
+    import time
+
+    import trio
+
+    from echo2.learner_hub.intake_pool import MAX_REPLY, _read_reply
+
+    big = bytes(range(256)) * 4096  # 1 MiB
+    small = b"ok"
+
+    def writer(s: socket.socket) -> None:
+        s.sendall(struct.pack("<I", len(big))[:2])
+        time.sleep(0.05)
+        s.sendall(struct.pack("<I", len(big))[2:] + big[:1000])
+        time.sleep(0.05)
+        s.sendall(big[1000:])
+        s.sendall(struct.pack("<I", len(small)) + small)
+
+    async def main() -> None:
+        a, b = socket.socketpair()
+        a.setblocking(False)
+        t = threading.Thread(target=writer, args=(b,))
+        t.start()
+        with trio.fail_after(20):
+            assert await _read_reply(a) == big
+            assert await _read_reply(a) == small
+        t.join()
+        b.sendall(struct.pack("<I", 10) + b"abc")
+        b.close()
+        with trio.fail_after(20):
+            assert await _read_reply(a) is None  # the worker died mid-reply
+        a.close()
+        a, b = socket.socketpair()
+        a.setblocking(False)
+        b.sendall(struct.pack("<I", MAX_REPLY + 1))
+        with trio.fail_after(20), pytest.raises(OSError, match="at most"):
+            await _read_reply(a)
+        a.close()
+        b.close()
+
+    trio.run(main)
