@@ -1,4 +1,5 @@
-"""The hub's durable state: one SQLite file plus checkpoint files in the hub directory.
+"""The hub's durable state: one SQLite file, its accepted payloads' segment files (payloadlog.py)
+and checkpoint files in the hub directory.
 
 Why SQLite: the hub restarts (crash, upgrade, `echo2 hub run` again) and must keep the fleet's
 history - admissions and bans, the ledger, policy versions - and every accepted result that the
@@ -24,7 +25,7 @@ import logging
 import os
 import sqlite3
 import threading
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -35,6 +36,7 @@ from .checkpointstore import CheckpointFiles
 from .joinstore import JoinTokens
 from .ledger import NodeRow, hardware_summary, ledger_csv, render_ledger, render_nodes, totals_of
 from .ledgerstore import LedgerRows
+from .payloadlog import PayloadLog
 from .schema import (
     MIGRATIONS,
     NODE_COLS,
@@ -52,6 +54,8 @@ log = logging.getLogger(__name__)
 
 DB_NAME = "hub.sqlite"
 CHECKPOINT_DIR = "checkpoints"
+#: the accepted payloads' segment files: a folder beside the database file (payloadlog.py)
+PAYLOADS_SUFFIX = "-payloads"
 
 
 class Accepted(NamedTuple):
@@ -85,6 +89,7 @@ class HubStore(JoinTokens, CheckpointFiles, LedgerRows):
         self.checkpoint_dir = Path(checkpoint_dir) if checkpoint_dir is not None else self.path.parent / CHECKPOINT_DIR
         self.keep_checkpoints = keep_checkpoints
         self._lock = threading.Lock()
+        self._after_commit: list[Callable[[], object]] = []  # files to remove once the rows that needed them are gone
         # isolation_level=None: we issue BEGIN/COMMIT ourselves so each method is one transaction.
         # check_same_thread: the hub's store worker opens the store in its own thread and passes
         # True, so a stray call from any other thread fails loudly instead of blocking the loop.
@@ -103,6 +108,8 @@ class HubStore(JoinTokens, CheckpointFiles, LedgerRows):
         # the key): their directory entries must survive a crash like the data they hold.
         fsync_dir(self.path.parent)
         fsync_dir(self.path.parent.parent)
+        # accepted results' payloads (payloadlog.py): beside the file, as its -wal is
+        self._payloads = PayloadLog(Path(str(self.path) + PAYLOADS_SUFFIX))
 
     @classmethod
     def in_dir(cls, hub_dir: str | os.PathLike[str], **kw: Any) -> HubStore:
@@ -111,6 +118,7 @@ class HubStore(JoinTokens, CheckpointFiles, LedgerRows):
     def close(self) -> None:
         with self._lock:
             self._db.close()
+            self._payloads.close()
 
     def __enter__(self) -> HubStore:
         return self
@@ -129,12 +137,15 @@ class HubStore(JoinTokens, CheckpointFiles, LedgerRows):
                 self._db.execute("PRAGMA synchronous=FULL")
             try:
                 self._db.execute("BEGIN IMMEDIATE")
+                self._after_commit.clear()
                 try:
                     yield self._db
                 except BaseException:
                     self._db.execute("ROLLBACK")
                     raise
                 self._db.execute("COMMIT")
+                for job in self._after_commit:  # still under the lock: no other transaction between
+                    job()
             finally:
                 if durable:
                     self._db.execute("PRAGMA synchronous=NORMAL")
@@ -339,7 +350,9 @@ class HubStore(JoinTokens, CheckpointFiles, LedgerRows):
             )
             rid = int(cur.lastrowid or 0)
             if accepted:
-                db.execute("INSERT INTO result_payloads (result_id, payload) VALUES (?, ?)", (rid, payload))
+                assert payload is not None
+                (ref,) = self._payloads.append([payload], sync=True)  # durable before its row refers to it
+                db.execute("INSERT INTO payload_refs (result_id, segment, offset, length) VALUES (?, ?, ?, ?)", (rid, *ref))
             return rid
 
     def record_accepted(
@@ -371,13 +384,16 @@ class HubStore(JoinTokens, CheckpointFiles, LedgerRows):
         # per small result: HubStore directly, 4,000 results in batches of 8)
         counted: dict[str, list[Any]] = {}
         with self._tx(durable=True) as db:
-            for a in items:
+            # the payloads durable in their segment before the rows that refer to them commit
+            refs = self._payloads.append([a.payload for a in items], sync=True)
+            for a, ref in zip(items, refs, strict=True):
                 rid = db.execute(
                     "INSERT INTO results (task_id, node, version, accepted, reason, tokens, rollouts, received_at)"
                     " VALUES (?, ?, ?, 1, 'accepted', ?, ?, ?)",
                     (a.task_id, a.node, a.version, a.tokens, a.rollouts, a.received_at),
                 ).lastrowid
-                db.execute("INSERT INTO result_payloads (result_id, payload) VALUES (?, ?)", (rid, a.payload))
+                db.execute("INSERT INTO payload_refs (result_id, segment, offset, length) VALUES (?, ?, ?, ?)",
+                           (rid, *ref))
                 new = db.execute(
                     "INSERT OR IGNORE INTO ledger_entries (task_id, peer_id, rollouts, tokens, price_micro, at)"
                     " VALUES (?, ?, ?, ?, ?, ?)",
@@ -416,12 +432,20 @@ class HubStore(JoinTokens, CheckpointFiles, LedgerRows):
         step after ``after_step`` (the resumed checkpoint's step), in arrival order."""
         cond = "trained_step IS NULL" if after_step is None else "(trained_step IS NULL OR trained_step > ?)"
         args: tuple[Any, ...] = () if after_step is None else (after_step,)
+        # payloads in the log (payload_refs) or, written before it, in result_payloads
         rows = self._read(
-            "SELECT task_id, node, version, tokens, rollouts, received_at, p.payload FROM results"
-            f" JOIN result_payloads AS p ON p.result_id = results.id WHERE accepted = 1 AND {cond} ORDER BY id",
-            args,
+            "SELECT results.id, task_id, node, version, tokens, rollouts, received_at, p.payload, NULL, NULL, NULL"
+            " FROM results JOIN result_payloads AS p ON p.result_id = results.id"
+            f" WHERE accepted = 1 AND {cond}"
+            " UNION ALL SELECT results.id, task_id, node, version, tokens, rollouts, received_at, NULL, r.segment,"
+            " r.offset, r.length FROM results JOIN payload_refs AS r ON r.result_id = results.id"
+            f" WHERE accepted = 1 AND {cond} ORDER BY 1",
+            args + args,
         )
-        return [PendingResult(t, n, v, tok, ro, at, bytes(p)) for t, n, v, tok, ro, at, p in rows]
+        with self._lock:
+            logged = iter(self._payloads.read([(int(r[8]), int(r[9]), int(r[10])) for r in rows if r[7] is None]))
+        return [PendingResult(t, n, v, tok, ro, at, bytes(p) if p is not None else next(logged))
+                for _, t, n, v, tok, ro, at, p, *_ref in rows]
 
     def mark_trained(self, task_ids: Iterable[str], step: int) -> int:
         """Record that the learner step ``step`` consumed these results; returns rows updated."""
@@ -445,18 +469,31 @@ class HubStore(JoinTokens, CheckpointFiles, LedgerRows):
                 part = ids[i : i + 500]
                 q = ",".join("?" * len(part))
                 cond = f"accepted = 1 AND trained_step IS NULL AND task_id IN ({q})"
-                db.execute(f"DELETE FROM result_payloads WHERE result_id IN (SELECT id FROM results WHERE {cond})", part)
+                for table in ("result_payloads", "payload_refs"):
+                    db.execute(f"DELETE FROM {table} WHERE result_id IN (SELECT id FROM results WHERE {cond})", part)
                 n += db.execute(f"UPDATE results SET reason = ? WHERE {cond}", (reason, *part)).rowcount
+            self._free_segments(db)
         return n
+
+    def _free_segments(self, db: sqlite3.Connection) -> None:
+        """Delete the payload segments no row refers to any more once this transaction commits
+        (a rollback keeps every segment its rows need; appends go only to the segment being
+        written, which is kept)."""
+        live = [int(r[0]) for r in db.execute("SELECT DISTINCT segment FROM payload_refs")]
+        self._after_commit.append(lambda: self._payloads.keep_only(live))
 
     def prune_payloads(self, upto_step: int) -> int:
         """Free payloads of results trained at or before a checkpointed step."""
         with self._tx() as db:
-            return db.execute(
-                "DELETE FROM result_payloads WHERE result_id IN"
-                " (SELECT id FROM results WHERE trained_step IS NOT NULL AND trained_step <= ?)",
-                (upto_step,),
-            ).rowcount
+            n = 0
+            for table in ("result_payloads", "payload_refs"):
+                n += db.execute(
+                    f"DELETE FROM {table} WHERE result_id IN"
+                    " (SELECT id FROM results WHERE trained_step IS NOT NULL AND trained_step <= ?)",
+                    (upto_step,),
+                ).rowcount
+            self._free_segments(db)
+            return n
 
     def result_counts(self) -> dict[str, int]:
         """Results by outcome: ``accepted`` and one key per refusal reason."""

@@ -127,9 +127,9 @@ def test_pending_results_survive_reopen_and_exactly_once(tmp_path: Path) -> None
 
 
 def test_payloads_live_apart_and_leave_with_their_result(tmp_path: Path) -> None:
-    """An accepted result's payload is a row of result_payloads (results.payload stays NULL, so
-    marking it trained rewrites a small row); pruning and dropping delete that row; a batch's
-    ledger counts match those of its results one by one."""
+    """An accepted result's payload is in the payload log, its place a row of payload_refs
+    (results.payload stays NULL, so marking it trained rewrites a small row); pruning and
+    dropping delete that row; a batch's ledger counts match those of its results one by one."""
     from echo2.learner_hub.store import Accepted
 
     with open_store(tmp_path) as s:
@@ -138,7 +138,8 @@ def test_payloads_live_apart_and_leave_with_their_result(tmp_path: Path) -> None
         s.record_accepted_many([Accepted("t0", "p1", 0, 10, 2, 9.0, b"again", 7)])  # a replay: no second entry
         db = s._db
         assert db.execute("SELECT COUNT(*) FROM results WHERE payload IS NOT NULL").fetchone()[0] == 0
-        assert db.execute("SELECT COUNT(*) FROM result_payloads").fetchone()[0] == 6
+        assert db.execute("SELECT COUNT(*) FROM result_payloads").fetchone()[0] == 0
+        assert db.execute("SELECT COUNT(*) FROM payload_refs").fetchone()[0] == 6
         led = {r[0]: r[1:] for r in db.execute("SELECT peer_id, accepted_results, accepted_rollouts, accepted_tokens,"
                                                " price_micro, saved_at FROM ledger")}
         assert led == {"p1": (3, 6, 10 + 11 + 12, 7, 0.0), "p2": (2, 4, 13 + 14, 7, 3.0)}
@@ -146,15 +147,57 @@ def test_payloads_live_apart_and_leave_with_their_result(tmp_path: Path) -> None
         s.mark_trained(["t0", "t1"], step=1)
         assert s.prune_payloads(upto_step=1) == 2 + 1  # t0's replayed row was marked with it
         assert s.drop_pending(["t2"], "stale") == 1
-        assert db.execute("SELECT COUNT(*) FROM result_payloads").fetchone()[0] == 2
-        assert [p.task_id for p in s.pending_results()] == ["t3", "t4"]
+        assert db.execute("SELECT COUNT(*) FROM payload_refs").fetchone()[0] == 2
+        assert [(p.task_id, p.payload) for p in s.pending_results()] == [("t3", b"\x03" * 5), ("t4", b"\x04" * 5)]
         assert s.result_counts() == {"accepted": 6}
+
+
+def test_payload_segments_survive_a_restart_and_go_once_freed(tmp_path: Path) -> None:
+    """Payloads in the log are read back after the store is reopened (a new segment each open,
+    and once one is full); a segment is deleted once no row refers to it, never while one does,
+    and a segment lost outside the hub is a clear error, not garbage."""
+    from echo2.learner_hub.payloadlog import PayloadMissing
+    from echo2.learner_hub.store import Accepted
+
+    seg_dir = tmp_path / ("hub.sqlite" + "-payloads")
+    with open_store(tmp_path) as s:
+        s._payloads.segment_bytes = 50  # a new segment once one holds 50 bytes: one per payload here
+        for i in range(4):
+            s.record_accepted_many([Accepted(f"t{i}", "p", 0, 1, 1, float(i), bytes([i]) * 60, 1)])
+        assert len(s._payloads.segments()) == 4
+    with open_store(tmp_path) as s:
+        assert [(p.task_id, p.payload) for p in s.pending_results()] == [(f"t{i}", bytes([i]) * 60) for i in range(4)]
+        s.record_accepted_many([Accepted("t4", "p", 0, 1, 1, 4.0, b"new", 1)])  # a fresh segment after reopening
+        assert len(s._payloads.segments()) == 5
+        s.mark_trained(["t0", "t1"], step=1)
+        assert s.prune_payloads(upto_step=1) == 2
+        assert len(s._payloads.segments()) == 3  # t0's and t1's segments went, the others hold live rows
+        assert s.drop_pending(["t2"], "stale") == 1
+        assert [p.task_id for p in s.pending_results()] == ["t3", "t4"]
+        assert len(list(seg_dir.iterdir())) == 2
+        (lost,) = [f for f in seg_dir.iterdir() if f.read_bytes() == bytes([3]) * 60]
+        lost.unlink()
+        with pytest.raises(PayloadMissing, match="missing"):
+            s.pending_results()
+
+
+def test_a_payload_segment_cut_short_is_refused(tmp_path: Path) -> None:
+    from echo2.learner_hub.payloadlog import PayloadLog, PayloadMissing
+
+    log = PayloadLog(tmp_path / "p")
+    refs = log.append([b"a" * 10, b"", b"b" * 5], sync=True)
+    assert log.read(refs) == [b"a" * 10, b"", b"b" * 5]
+    log.close()
+    (seg,) = list((tmp_path / "p").iterdir())
+    seg.write_bytes(seg.read_bytes()[:12])
+    with pytest.raises(PayloadMissing, match="2 of the 5 bytes"):
+        PayloadLog(tmp_path / "p").read(refs)
 
 
 def test_an_older_files_payloads_move_to_their_table(tmp_path: Path) -> None:
     db = sqlite3.connect(tmp_path / "hub.sqlite")
     db.execute("CREATE TABLE schema_version (version INTEGER NOT NULL)")
-    for i, m in enumerate(MIGRATIONS[:-1]):
+    for i, m in enumerate(MIGRATIONS[:8 - 1]):  # before migration 8 (result_payloads)
         db.executescript(m)
         db.execute("INSERT INTO schema_version VALUES (?)", (i + 1,))
     db.execute("INSERT INTO results (task_id, node, version, accepted, reason, tokens, rollouts, received_at, payload)"
