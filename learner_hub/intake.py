@@ -58,10 +58,6 @@ class TaskEntry:
     buffered: int = 0  # groups of its accepted result still waiting to be trained (0: in flight)
     accepted: bool = False
     payload: bytes | None = None  # the task's canonical bytes (its hash's input) until it is sealed
-    # what the stateless checks need of it (Intake.tasks_of), made once: every batch of the node's
-    # sends the views of all its tasks in flight along, and rebuilding them each time was ~2.5% of
-    # the hub's loop with workers 2 (py-spy --gil of `echo2 bench intake --batch 8`)
-    view: TaskView | None = field(default=None, repr=False, compare=False)
     # the issued task until it is first encoded: when its node takes it (Outbox.seal) or a result
     # names it. Encoding and hashing at issue put ~20 us a task into the pump, and a learner step
     # that frees hundreds of tasks issues them in one pass of the loop (`echo2 bench intake`:
@@ -341,21 +337,8 @@ class Intake:
         st = self.dispatcher.nodes.get(peer)
         if st is None:
             return {}
-        flying, book = self.dispatcher.in_flight, self.book._tasks
-        out = {}
-        for tid in st.in_flight:
-            t = flying.get(tid)
-            if t is None:
-                continue
-            e = book.get(tid)
-            if e is None:  # a task the book does not hold (never opened here): built each time
-                out[tid] = task_view(t)
-                continue
-            v = e.view
-            if v is None:
-                v = e.view = task_view(t)
-            out[tid] = v
-        return out
+        flying = self.dispatcher.in_flight
+        return {tid: task_view(flying[tid]) for tid in st.in_flight if tid in flying}
 
     def judge(self, peer: str, r: AnyResult, now: float, learner_step: int) -> Verdict:
         """The verdict on a Result whose envelope ``peer`` signed."""

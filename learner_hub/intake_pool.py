@@ -231,10 +231,8 @@ async def _read_reply(sock: socket.socket) -> bytearray | None:
     copied it three times: ~23% of the hub's loop with workers 2 at 1,024 tokens a completion
     (py-spy --gil, `echo2 bench intake --tokens 1024`). A small reply still comes in one receive
     (the length and the body land together; the body's first bytes are copied once from it)."""
-    head = bytearray(_ONE.size)
-    got = 0
     first = b""
-    while got < _ONE.size:
+    while len(first) < _ONE.size:
         await trio.lowlevel.wait_readable(sock.fileno())
         try:
             b = sock.recv(1 << 16)
@@ -243,9 +241,7 @@ async def _read_reply(sock: socket.socket) -> bytearray | None:
         if not b:
             return None
         first += b
-        got = len(first)
-    head[:] = first[:_ONE.size]
-    (n,) = _ONE.unpack(head)
+    (n,) = _ONE.unpack_from(first)
     if n > MAX_REPLY:  # our own worker, but a size is checked before it is allocated all the same
         raise OSError(f"intake worker announced a reply of {n} bytes (at most {MAX_REPLY})")
     body = bytearray(n)
