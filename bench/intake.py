@@ -74,8 +74,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="live mode: CPUs for the client processes, the hub on the rest: none (all share), auto "
                              "(the last CPU), or a list like 3 or 2,3")
     parser.add_argument("--repeat", type=int, default=1,
-                        help="live mode: measure each fleet size and worker count this many times (worker counts back "
-                             "to back in each repeat) and report the median, min and max; ratios are taken within a repeat")
+                        help="live mode: measure each fleet size and worker count this many times (every fleet size and "
+                             "worker count back to back in each repeat) and report the median, min and max; ratios are taken within a repeat")
     parser.add_argument("--idle", type=float, default=5.0, help="live mode: seconds of the idle phase (hub CPU at rest)")
     parser.add_argument("--big-result-MB", type=float, default=0.0, dest="big_result_mb",
                         help="instead: one result of this size, list form vs packed form (bench/intake_big.py)")

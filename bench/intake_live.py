@@ -41,9 +41,9 @@ answered with a TaskBundle of up to that many); the heartbeat phase still asks f
 still issues, checks, scores and stores every task and result as in production. At N = 10,000 the
 pipeline is 80,000 groups in flight (more hub RSS than before, and a longer set-up).
 
-``--repeat R``: each fleet size measured R times, every worker count back to back within a
-repeat; the JSON's ``summary`` gives each figure's median, min and max, and the ratios are taken
-within each repeat, then their median. Why: on this shared 2-core machine the same code read
+``--repeat R``: each fleet size measured R times, every fleet size and worker count back to back
+within a repeat (100 nodes, then 10,000, then the next repeat); the JSON's ``summary`` gives each
+figure's median, min and max, and the ratios are taken within each repeat, then their median. Why: on this shared 2-core machine the same code read
 0.59-0.83 ms per result from one run to the next (and 0.68-0.75 for the workers ratio), more than
 most changes it is used to judge.
 
@@ -469,9 +469,13 @@ def run_live(args: argparse.Namespace) -> int:
     repeats = max(1, int(getattr(args, "repeat", 1)))
     tokens = int(getattr(args, "tokens", SMALL_TOKENS))
     rows = []
-    for n in sizes:
-        # each repeat measures every worker count back to back: the ratios are taken within it
-        for k in range(repeats):
+    # each repeat measures every fleet size and worker count back to back, and the ratios are taken
+    # within it. Repeats were nested inside each fleet size: 10,000 / 100 nodes then paired runs ~6
+    # minutes apart and read 0.91, 1.36 and 1.37 (median 1.36) in one run on this shared machine,
+    # 1.27, 0.83 and 1.13 (median 1.13) interleaved straight after; adjacent 100-node runs there
+    # read 0.54-0.80 ms per result, so the pairs' distance in time is what moves the median
+    for k in range(repeats):
+        for n in sizes:
             for w in worker_counts:
                 before = reference_loop_ms()
                 row = run_size(n, args.clients, max(1, args.batch), args.duration, args.idle, w,
