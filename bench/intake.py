@@ -433,7 +433,8 @@ def run(args: argparse.Namespace) -> int:
     if getattr(args, "big_result_mb", 0.0) > 0:
         from .intake_big import run_big
 
-        big = {"bench": "intake", "big_result": run_big(args.big_result_mb)}
+        counts = tuple(int(x) for x in str(getattr(args, "workers", "0")).split(",") if x.strip())
+        big = {"bench": "intake", "big_result": run_big(args.big_result_mb, workers=counts or (0,))}
         if args.json:
             Path(args.json).write_text(json.dumps(big, indent=2))
         return 0

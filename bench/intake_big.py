@@ -26,15 +26,23 @@ from typing import Any
 GROUP = 16
 
 
-def _hub(workdir: Path, prompts: int, max_new: int) -> Any:
+def _hub(workdir: Path, prompts: int, max_new: int, workers: int = 0) -> Any:
     from echo2.learner_hub.config import HubConfig
     from echo2.learner_hub.hub import Hub
 
     cfg = HubConfig(dir=str(workdir), steps=10**6, prompts_per_step=prompts, group_size=GROUP,
-                    max_new_tokens=max_new, staleness=1, task_deadline_s=3600.0)
+                    max_new_tokens=max_new, staleness=1, task_deadline_s=3600.0, intake_workers=workers)
     hub = Hub(cfg)
+    if workers:
+        hub.intake_pool.wait_ready()  # a worker's start-up (~2 s) is not the result's cost
     gc.freeze()
     return hub
+
+
+def _workers_cpu_s(hub: Any) -> float:
+    from .attack_cpu import process_cpu_s
+
+    return sum(process_cpu_s(pid) for pid in hub.intake_pool.pids())
 
 
 async def _one(hub: Any, packed: bool, target_bytes: int, profile: str | None) -> dict[str, Any]:
@@ -101,10 +109,10 @@ async def _one(hub: Any, packed: bool, target_bytes: int, profile: str | None) -
 
         prof = cProfile.Profile()
         prof.enable()
-    p0, w0 = time.process_time(), time.perf_counter()
+    p0, w0, k0 = time.process_time(), time.perf_counter(), _workers_cpu_s(hub)
     await hub.on_result(node.peer_id, data)
     await hub.store.call(lambda st: None)  # the store's write of the payload is part of the cost
-    cpu, wall = time.process_time() - p0, time.perf_counter() - w0
+    cpu, wall, workers_cpu = time.process_time() - p0, time.perf_counter() - w0, _workers_cpu_s(hub) - k0
     if prof is not None:
         prof.disable()
         prof.dump_stats(f"{profile}.{'v2' if packed else 'v1'}.prof")
@@ -136,13 +144,17 @@ async def _one(hub: Any, packed: bool, target_bytes: int, profile: str | None) -
     hub.intake.decode_batch(hub_seqs)
     decode_cpu = time.process_time() - p0
     kind = getattr(hub.intake.decode_batch, "kind", "tokenizer")
-    return {"message": "PackedResult (v2)" if packed else "Result (v1)", "bytes": len(data), "completions": n_comp,
-            "tokens": n_comp * per, "process_cpu_s": round(cpu, 3), "wall_s": round(wall, 3),
+    return {"message": "PackedResult (v2)" if packed else "Result (v1)", "intake_workers": hub.intake_pool.workers,
+            "bytes": len(data), "completions": n_comp, "tokens": n_comp * per, "process_cpu_s": round(cpu, 3),
+            "workers_cpu_s": round(workers_cpu, 3), "wall_s": round(wall, 3),
             "parts_alone": {"open_envelope_cpu_s": round(open_cpu, 3), "detokenise_cpu_s": round(decode_cpu, 3),
                             "detokeniser": kind, "tokenizer_decode_batch_cpu_s": round(tokenizer_cpu, 3)}}
 
 
-def run_big(megabytes: float, profile: str | None = None) -> dict[str, Any]:
+def run_big(megabytes: float, profile: str | None = None, workers: tuple[int, ...] = (0,)) -> dict[str, Any]:
+    """The list form and the packed form with no intake workers, then the packed form with each
+    other count of ``workers`` (``--workers 0,2``): the hub process's CPU for one large result
+    with its checks in the workers, and theirs."""
     import logging
 
     import trio
@@ -150,19 +162,22 @@ def run_big(megabytes: float, profile: str | None = None) -> dict[str, Any]:
     logging.getLogger("echo2").setLevel(logging.WARNING)
     target = int(megabytes * 1024 * 1024)
     rows = []
-    for packed in (False, True):
+    runs = [(False, 0), (True, 0)] + [(True, w) for w in workers if w > 0]
+    for packed, n_workers in runs:
         with tempfile.TemporaryDirectory(prefix="echo2-bench-big-") as d:
             # 16 prompts x 16 completions x up to 8192 tokens: 36 MB needs ~14,000 tokens a
             # completion at 256 completions, so the task is sized to take them at <= 8192 each
             prompts = max(1, -(-target // (10 * GROUP * 8192)))
-            hub = _hub(Path(d), prompts, 8192)
+            hub = _hub(Path(d), prompts, 8192, n_workers)
             try:
                 rows.append(trio.run(_one, hub, packed, target, profile))
             finally:
+                hub.intake_pool.close()
                 hub.store.close()
         r = rows[-1]
-        print(f"{r['message']:<18} {r['bytes'] / 1e6:6.1f} MB  {r['tokens']} tokens  hub process CPU "
-              f"{r['process_cpu_s']:.3f} s  wall {r['wall_s']:.3f} s  (alone: open_envelope "
+        print(f"{r['message']:<18} workers={r['intake_workers']} {r['bytes'] / 1e6:6.1f} MB  {r['tokens']} tokens  hub "
+              f"process CPU {r['process_cpu_s']:.3f} s (intake workers {r['workers_cpu_s']:.3f} s)  wall "
+              f"{r['wall_s']:.3f} s  (alone: open_envelope "
               f"{r['parts_alone']['open_envelope_cpu_s']:.3f} s, detokenise {r['parts_alone']['detokenise_cpu_s']:.3f} s "
               f"by the {r['parts_alone']['detokeniser']}, tokenizer's decode_batch "
               f"{r['parts_alone']['tokenizer_decode_batch_cpu_s']:.3f} s)",
@@ -170,4 +185,7 @@ def run_big(megabytes: float, profile: str | None = None) -> dict[str, Any]:
     return {"measures": ("one large Result handed to a real Hub's on_result (1 admitted node, tiny model); process "
                          "CPU (all threads) and wall time until the store wrote it; sealing not timed"),
             "rows": rows,
-            "ratio_cpu_v1_over_v2": round(rows[0]["process_cpu_s"] / max(rows[1]["process_cpu_s"], 1e-9), 2)}
+            "ratio_cpu_v1_over_v2": round(rows[0]["process_cpu_s"] / max(rows[1]["process_cpu_s"], 1e-9), 2),
+            # the hub process's own CPU for the packed result with N workers over that with none
+            "ratio_hub_process_cpu_by_workers": {f"{r['intake_workers']}/0": round(
+                r["process_cpu_s"] / max(rows[1]["process_cpu_s"], 1e-9), 3) for r in rows[2:]}}

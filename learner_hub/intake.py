@@ -155,20 +155,24 @@ class Accept:
     texts: list[list[str]] = field(default_factory=list)  # per group, per sample: what reward functions read
 
 
-def float32_array(data: bytes) -> array.array[float]:
-    """Little-endian float32 bytes as an ``array('f')``: a Sequence of floats made by one copy."""
-    a = array.array("f", data)
+def float32_array(data: bytes | memoryview) -> array.array[float]:
+    """Little-endian float32 bytes as an ``array('f')``: a Sequence of floats made by one copy.
+    ``frombytes``, not the constructor: given a memoryview, ``array(code, view)`` iterates it and
+    makes one element of each byte."""
+    a = array.array("f")
+    a.frombytes(data)
     if sys.byteorder != "little":
         a.byteswap()
     return a
 
 
-def int32_array(data: bytes) -> Sequence[int]:
+def int32_array(data: bytes | memoryview) -> Sequence[int]:
     """Little-endian int32 bytes as an ``array`` of 4-byte ints: one copy, and a garbage
     collection's walk over it visits no element, where a list's visits every int (rows.Sample)."""
     if _I4 is None:
         return np.frombuffer(data, dtype="<i4").tolist()  # type: ignore[no-any-return]
-    a = array.array(_I4, data)
+    a = array.array(_I4)
+    a.frombytes(data)  # not array(_I4, data): a memoryview would be iterated byte by byte
     if sys.byteorder != "little":
         a.byteswap()
     return a

@@ -57,10 +57,18 @@ class Limits:
 
 class CompactSample(NamedTuple):
     """One completion as arrays: little-endian int32 ids and float32 log-probs as received for a
-    packed result (``packed``), int64/float64 bytes for a list-form one (exact either way)."""
+    packed result (``packed``), int64/float64 bytes for a list-form one (exact either way).
 
-    ids: bytes
-    logprobs: bytes
+    Views, not bytes: the hub decodes an intake worker's reply with these fields as views of the
+    reply's buffer (msgspec decodes a ``memoryview`` field without a copy). As ``bytes`` the
+    decode copied every array out of it: for a 27.5 MB packed result that was 0.094 s of the hub's
+    loop of its ~0.13-0.25 s with workers 2 (cProfile, ``echo2 bench intake --big-result-MB 36
+    --workers 0,2``). A sample kept for training therefore keeps its reply's buffer alive: the
+    samples of one reply are accepted together and trained within the same staleness bound, so
+    that is about the bytes the copies held."""
+
+    ids: memoryview
+    logprobs: memoryview
     packed: bool
     finish_reason: str  # read off the tokens here, not the node's claim
 
@@ -182,9 +190,9 @@ def compact_rows(n_groups: int, r: AnyResult, lim: Limits, decode_batch: Callabl
         last = int(ids[-1]) if ids.size else None
         finish = finish_of(last, lim.stop_ids)
         if isinstance(c, PackedCompletion):
-            s = CompactSample(c.token_ids, c.logprobs, True, finish)
+            s = CompactSample(memoryview(c.token_ids), memoryview(c.logprobs), True, finish)
         else:
-            s = CompactSample(ids.astype("<i8").tobytes(), lps.astype("<f8").tobytes(), False, finish)
+            s = CompactSample(memoryview(ids.astype("<i8").tobytes()), memoryview(lps.astype("<f8").tobytes()), False, finish)
         by_prompt[c.prompt_index].append(s)
     for group in by_prompt:
         for s in group:
@@ -277,7 +285,8 @@ def packed_find_many(items: Sequence[tuple[Sequence[int], PackedResult]], lim: L
         n = len(r.completions)
         by_prompt: list[list[CompactSample]] = [[] for _ in groups]
         for c, x in zip(r.completions, stopped[at:at + n], strict=True):
-            by_prompt[c.prompt_index].append(CompactSample(c.token_ids, c.logprobs, True, "stop" if x else "length"))
+            by_prompt[c.prompt_index].append(CompactSample(memoryview(c.token_ids), memoryview(c.logprobs), True,
+                                                           "stop" if x else "length"))
         at += n
         if decode_flat is None or not in_order:
             text_ids = [np.frombuffer(s.ids, dtype="<i4")[:-1 if s.finish_reason == "stop" else None]

@@ -125,7 +125,7 @@ class Checked:
     findings: Findings
     scored: Scored | None = None
     failures: tuple[tuple[str, str, str], ...] = ()
-    payload: bytes | None = None  # the scored rows' stored form (rows.encode_groups), made by the worker
+    payload: memoryview | None = None  # the scored rows' stored form (rows.encode_groups), made by the worker
 
 
 @dataclass

@@ -81,7 +81,7 @@ class PayloadLog:
         fsync_dir(self.dir)  # the new file's entry is as durable as the bytes its rows will point at
         return self._fd
 
-    def append(self, blobs: Sequence[bytes], *, sync: bool) -> list[Ref]:
+    def append(self, blobs: Sequence[bytes | memoryview], *, sync: bool) -> list[Ref]:
         """Write ``blobs`` one after another; their refs, in order. ``sync``: durable on return."""
         fd = self._fd
         if fd is None or self._size >= self.segment_bytes:

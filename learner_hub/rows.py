@@ -44,7 +44,7 @@ class Sample:
     reward_parts: dict[str, float] = field(default_factory=dict)
     # the int32 ids and float32 log-probs as a PackedResult carried them (None for a list-form
     # Result): what the store keeps, as received
-    packed: tuple[bytes, bytes] | None = field(default=None, repr=False, compare=False)
+    packed: tuple[bytes | memoryview, bytes | memoryview] | None = field(default=None, repr=False, compare=False)
 
 
 def _stored_arrays(s: Sample) -> dict[str, Any]:

@@ -67,7 +67,7 @@ class Accepted(NamedTuple):
     tokens: int
     rollouts: int
     received_at: float
-    payload: bytes
+    payload: bytes | memoryview  # a view of an intake worker's reply (intake_check.CompactSample)
     price_micro: int
 
 class HubStore(JoinTokens, CheckpointFiles, LedgerRows):

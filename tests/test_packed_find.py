@@ -141,3 +141,23 @@ def test_int32_list_reads_little_endian_ids_as_numpy_does() -> None:
     for ids in ([], [0], [1, 2, 3], [-(2**31), 2**31 - 1, -1, 65_536]):
         data = np.array(ids, dtype="<i4").tobytes()
         assert int32_list(data) == np.frombuffer(data, dtype="<i4").tolist() == ids
+
+
+def test_arrays_from_views_of_a_reply_buffer_read_the_numbers_not_the_bytes() -> None:
+    """The hub decodes a worker's reply with a sample's arrays as views of the reply's buffer:
+    ``array(code, view)`` would iterate the view and make one element per byte."""
+    import msgspec
+
+    from echo2.learner_hub.intake import float32_array, int32_array, sample_of
+    from echo2.learner_hub.intake_check import CompactSample
+
+    ids, lps = [5, 70_000, 0, 2**31 - 1], [-0.5, -1.25, 0.0, -7.0]
+    sent = CompactSample(memoryview(pack_ids(ids)), memoryview(pack_logprobs(lps)), True, "length")
+    buf = bytearray(msgspec.msgpack.encode([sent]))  # as _read_reply receives a reply
+    (got,) = msgspec.msgpack.Decoder(list[CompactSample]).decode(buf)
+    assert isinstance(got.ids, memoryview) and got.ids.obj is buf  # a view, not a copy
+    assert list(int32_array(got.ids)) == ids
+    assert list(float32_array(got.logprobs)) == lps
+    s = sample_of(got, 3, "peer")
+    assert list(s.token_ids) == ids and list(s.logprobs) == lps
+    assert s.packed is not None and bytes(s.packed[0]) == pack_ids(ids)
