@@ -18,6 +18,7 @@ the bytes are invalid UTF-8: the worst case for the table's UTF-8 decode (3.4 M 
 from __future__ import annotations
 
 import gc
+import resource
 import tempfile
 import time
 from pathlib import Path
@@ -109,10 +110,16 @@ async def _one(hub: Any, packed: bool, target_bytes: int, profile: str | None) -
 
         prof = cProfile.Profile()
         prof.enable()
+    r0 = resource.getrusage(resource.RUSAGE_SELF)
     p0, w0, k0 = time.process_time(), time.perf_counter(), _workers_cpu_s(hub)
     await hub.on_result(node.peer_id, data)
     await hub.store.call(lambda st: None)  # the store's write of the payload is part of the cost
     cpu, wall, workers_cpu = time.process_time() - p0, time.perf_counter() - w0, _workers_cpu_s(hub) - k0
+    r1 = resource.getrusage(resource.RUSAGE_SELF)
+    # user / kernel split and page faults: with workers the hub's CPU for one large result is
+    # bimodal here (0.04 or 0.17-0.33 s), the extra in the kernel; these say whether it is faults
+    split = {"user_s": round(r1.ru_utime - r0.ru_utime, 3), "system_s": round(r1.ru_stime - r0.ru_stime, 3),
+             "minor_faults": r1.ru_minflt - r0.ru_minflt}
     if prof is not None:
         prof.disable()
         prof.dump_stats(f"{profile}.{'v2' if packed else 'v1'}.prof")
@@ -146,7 +153,7 @@ async def _one(hub: Any, packed: bool, target_bytes: int, profile: str | None) -
     kind = getattr(hub.intake.decode_batch, "kind", "tokenizer")
     return {"message": "PackedResult (v2)" if packed else "Result (v1)", "intake_workers": hub.intake_pool.workers,
             "bytes": len(data), "completions": n_comp, "tokens": n_comp * per, "process_cpu_s": round(cpu, 3),
-            "workers_cpu_s": round(workers_cpu, 3), "wall_s": round(wall, 3),
+            "workers_cpu_s": round(workers_cpu, 3), "wall_s": round(wall, 3), "process_cpu_split": split,
             "parts_alone": {"open_envelope_cpu_s": round(open_cpu, 3), "detokenise_cpu_s": round(decode_cpu, 3),
                             "detokeniser": kind, "tokenizer_decode_batch_cpu_s": round(tokenizer_cpu, 3)}}
 
@@ -176,7 +183,7 @@ def run_big(megabytes: float, profile: str | None = None, workers: tuple[int, ..
                 hub.store.close()
         r = rows[-1]
         print(f"{r['message']:<18} workers={r['intake_workers']} {r['bytes'] / 1e6:6.1f} MB  {r['tokens']} tokens  hub "
-              f"process CPU {r['process_cpu_s']:.3f} s (intake workers {r['workers_cpu_s']:.3f} s)  wall "
+              f"process CPU {r['process_cpu_s']:.3f} s [user {r['process_cpu_split']['user_s']:.3f}, system {r['process_cpu_split']['system_s']:.3f}, {r['process_cpu_split']['minor_faults']} faults] (intake workers {r['workers_cpu_s']:.3f} s)  wall "
               f"{r['wall_s']:.3f} s  (alone: open_envelope "
               f"{r['parts_alone']['open_envelope_cpu_s']:.3f} s, detokenise {r['parts_alone']['detokenise_cpu_s']:.3f} s "
               f"by the {r['parts_alone']['detokeniser']}, tokenizer's decode_batch "
