@@ -46,6 +46,17 @@ class Sample:
     # Result): what the store keeps, as received
     packed: tuple[bytes | memoryview, bytes | memoryview] | None = field(default=None, repr=False, compare=False)
 
+    def __getstate__(self) -> tuple[Any, ...]:
+        # a memoryview does not pickle (the learner's ranks get their groups pickled,
+        # distributed.py): the packed arrays travel as bytes, the views stay the hub's
+        packed = None if self.packed is None else (bytes(self.packed[0]), bytes(self.packed[1]))
+        return (self.token_ids, self.logprobs, self.reward, self.version, self.node_id, self.finish_reason,
+                self.reward_parts, packed)
+
+    def __setstate__(self, state: tuple[Any, ...]) -> None:
+        (self.token_ids, self.logprobs, self.reward, self.version, self.node_id, self.finish_reason,
+         self.reward_parts, self.packed) = state
+
 
 def _stored_arrays(s: Sample) -> dict[str, Any]:
     """A sample's tokens and log-probs as the store keeps them: packed little-endian bytes (ids

@@ -161,3 +161,19 @@ def test_arrays_from_views_of_a_reply_buffer_read_the_numbers_not_the_bytes() ->
     s = sample_of(got, 3, "peer")
     assert list(s.token_ids) == ids and list(s.logprobs) == lps
     assert s.packed is not None and bytes(s.packed[0]) == pack_ids(ids)
+
+
+def test_a_sample_holding_views_of_a_reply_pickles_for_the_learner_ranks() -> None:
+    """The distributed learner sends its ranks their groups pickled; a sample's packed arrays
+    may be views of a worker's reply, which do not pickle: they travel as bytes."""
+    import pickle
+    from array import array
+
+    from echo2.learner_hub.rows import Sample
+
+    buf = bytearray(pack_ids([1, 2, 3]) + pack_logprobs([-0.5, -1.0, -2.0]))
+    s = Sample(array("i", [1, 2, 3]), array("f", [-0.5, -1.0, -2.0]), 0.5, 3, "peer", "length", {"f": 0.5},
+               packed=(memoryview(buf)[:12], memoryview(buf)[12:]))
+    got = pickle.loads(pickle.dumps(s))
+    assert got == s and got.packed == (pack_ids([1, 2, 3]), pack_logprobs([-0.5, -1.0, -2.0]))
+    assert pickle.loads(pickle.dumps(Sample([1], [-0.1], 0.0, 1))).packed is None
